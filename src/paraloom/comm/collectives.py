@@ -1,0 +1,56 @@
+"""Timed, device-agnostic collective wrappers that count the bytes each rank hands over."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Running totals for one rank: payload bytes given to collectives, calls, seconds spent."""
+
+    bytes: int = 0  # tensor bytes passed to collectives (payload, not the algorithm's wire traffic)
+    calls: int = 0
+    seconds: float = 0.0  # wall time inside blocking collectives
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.calls += 1
+        self.seconds += seconds
+
+    def take(self) -> CommStats:
+        """Return the totals so far and start again from zero."""
+        out = CommStats(self.bytes, self.calls, self.seconds)
+        self.bytes, self.calls, self.seconds = 0, 0, 0.0
+        return out
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               stats: CommStats | None = None) -> torch.Tensor:
+    """Blocking in-place all-reduce, timed and counted in `stats`."""
+    start = time.perf_counter()
+    dist.all_reduce(tensor, op=op, group=group)
+    if stats is not None:
+        stats.add(nbytes(tensor), time.perf_counter() - start)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, *, src_group_rank: int = 0,
+              group: dist.ProcessGroup | None = None,
+              stats: CommStats | None = None) -> torch.Tensor:
+    """Blocking in-place broadcast from the group's rank `src_group_rank`, timed and counted."""
+    src = dist.get_global_rank(group or dist.group.WORLD, src_group_rank)  # torch<2.6: no group_src
+    start = time.perf_counter()
+    dist.broadcast(tensor, src=src, group=group)
+    if stats is not None:
+        stats.add(nbytes(tensor), time.perf_counter() - start)
+    return tensor

@@ -1,0 +1,302 @@
+"""Run configuration: dataclass sections, loaded from YAML with dotted `--set` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from paraloom.errors import UserError
+
+
+def _choices(*names: str, default: str) -> Any:
+    return field(default=default, metadata={"choices": names})
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str | None = None  # run directory name under out_dir; None -> generated, never reused
+    out_dir: str = "runs"  # parent of run directories
+    seed: int = 0  # seeds model init and data order (same on every rank)
+    device: str = _choices("auto", "cpu", "cuda", default="auto")  # auto: cuda if available
+    log_every: int = 10  # steps between metrics.jsonl lines
+    tensorboard: bool = False  # also write TensorBoard scalars (needs tensorboard installed)
+    save_model: bool = True  # write the final model state to model.pt
+
+    def __post_init__(self) -> None:
+        _positive(self, "log_every")
+        if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
+            raise UserError(f"run.name={self.name!r} must be a plain directory name")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = _choices("cnn", "mlp", default="cnn")  # reference model
+    hidden: int = 128  # width of the hidden (fully connected) layer(s)
+    depth: int = 2  # mlp: number of hidden layers
+    channels: int = 32  # cnn: channels of the first convolution (the second has twice as many)
+
+    def __post_init__(self) -> None:
+        for key in ("hidden", "depth", "channels"):
+            _positive(self, key)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: str = _choices("digits", "synthetic", default="digits")  # data set
+    batch_size: int = 64  # global batch per step, split evenly across data-parallel ranks
+    test_fraction: float = 0.2  # held-out share, stratified, fixed by split_seed
+    split_seed: int = 0  # seed of the train/test split
+    shuffle: bool = True  # reshuffle the training order every epoch (seeded)
+    n_samples: int = 4096  # synthetic: number of samples
+    n_features: int = 32  # synthetic: features per sample
+    n_classes: int = 4  # synthetic: classes
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "n_samples", "n_features"):
+            _positive(self, key)
+        if self.n_classes < 2:
+            raise UserError(f"data.n_classes={self.n_classes} must be at least 2")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise UserError(f"data.test_fraction={self.test_fraction} must lie strictly between 0 and 1")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = _choices("adam", "sgd", default="adam")  # optimizer
+    lr: float = 2e-3  # learning rate
+    momentum: float = 0.9  # sgd momentum
+    weight_decay: float = 0.0  # L2 penalty
+    epochs: int = 12  # passes over the training set
+    max_steps: int | None = None  # stop early after this many steps (None: run all epochs)
+
+    def __post_init__(self) -> None:
+        _positive(self, "epochs")
+        if self.max_steps is not None:
+            _positive(self, "max_steps")
+        if self.lr <= 0:
+            raise UserError(f"optim.lr={self.lr} must be positive")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise UserError("optim.momentum and optim.weight_decay must not be negative")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    mode: str = _choices("dp", default="dp")  # dp: data parallel (naive all-reduce engine)
+    nproc: int = 2  # worker processes per node (`--nproc`)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise UserError(f"parallel.nproc={self.nproc} must be at least 1")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    backend: str = _choices("auto", "gloo", "nccl", default="auto")  # auto: nccl on cuda else gloo
+    timeout_s: float = 300.0  # collective timeout before a rank gives up
+    interface: str | None = None  # network interface for gloo; None: loopback for local runs
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise UserError(f"comm.timeout_s={self.timeout_s} must be positive")
+
+
+@dataclass(kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any, *, source: str = "config") -> Config:
+        """Build and validate a Config from plain data (a parsed YAML mapping)."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise UserError(f"{source} must be a mapping of sections, got {type(raw).__name__}")
+        sections = _section_types()
+        for name in raw:
+            if name not in sections:
+                raise UserError(f"unknown section {name!r} in {source}; sections: {', '.join(sections)}")
+        built = {}
+        for name, section_type in sections.items():
+            values = raw.get(name) or {}
+            if not isinstance(values, dict):
+                raise UserError(f"section {name!r} in {source} must be a mapping of keys")
+            built[name] = _build_section(name, section_type, values)
+        return cls(**built)
+
+    def validate_world(self, world_size: int) -> None:
+        """Checks that depend on the number of workers; run before any worker starts."""
+        if self.data.batch_size % world_size:
+            below = self.data.batch_size // world_size * world_size
+            near = f"{below} or {below + world_size}" if below else str(world_size)
+            raise UserError(
+                f"data.batch_size={self.data.batch_size} cannot be split across {world_size} "
+                f"workers; choose a multiple of {world_size}, e.g. {near}")
+        if self.model.name == "cnn" and self.data.name == "synthetic":
+            raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
+                            "use model.name=mlp")
+
+
+def _positive(section: Any, key: str) -> None:
+    value = getattr(section, key)
+    if value < 1:
+        raise UserError(f"{_section_name(section)}.{key}={value} must be at least 1")
+
+
+def _section_name(section: Any) -> str:
+    return type(section).__name__.removesuffix("Config").lower()
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def section_keys() -> dict[str, list[tuple[str, str, Any, str]]]:
+    """Section -> [(key, type text, default, the comment beside the field)], for help texts."""
+    out = {}
+    for name, section_type in _section_types().items():
+        hints = typing.get_type_hints(section_type)
+        comments = dict(_FIELD_COMMENT.findall(inspect.getsource(section_type)))
+        rows = []
+        for f in dataclasses.fields(section_type):
+            kind = f.metadata.get("choices")
+            text = "|".join(kind) if kind else _type_text(hints[f.name])
+            rows.append((f.name, text, f.default, comments.get(f.name, "")))
+        out[name] = rows
+    return out
+
+
+_FIELD_COMMENT = re.compile(r"^    (\w+): [^#\n]*#\s*(.*)$", re.MULTILINE)
+
+
+def _type_text(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join(_type_text(a) for a in args)
+    return "null" if tp is type(None) else tp.__name__
+
+
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _coerce(key: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -> Any:
+    """Check one value against its annotation; ints widen to floats, nothing else converts."""
+    options = typing.get_args(tp) or (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise UserError(f"{key} must not be empty (null)")
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and not isinstance(value, bool):
+            if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+                value = float(value)  # YAML 1.1 reads "1e-3" as text
+            if isinstance(value, (int, float)):
+                if not math.isfinite(value):
+                    raise UserError(f"{key} must be a finite number, got {value!r}")
+                return float(value)
+        if option is str and isinstance(value, str):
+            if choices and value not in choices:
+                raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")
+            return value
+    wanted = " or ".join(_type_text(o) for o in options if o is not type(None))
+    raise UserError(f"{key} must be {wanted}, got {value!r}")
+
+
+def _build_section(name: str, section_type: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(section_type)
+    fields = {f.name: f for f in dataclasses.fields(section_type)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise UserError(f"unknown key {name}.{key}; keys of {name}: {', '.join(fields)}")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
+    return section_type(**kwargs)
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """`["data.batch_size=128", ...]` -> nested dict; values are parsed as YAML scalars."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        dotted, sep, text = item.partition("=")
+        section, dot, key = dotted.strip().partition(".")
+        if not sep or not dot or not section or not key:
+            raise UserError(f"--set {item!r} must look like section.key=value, e.g. data.batch_size=128")
+        out.setdefault(section, {})[key] = _parse_scalar(text, dotted)
+    return out
+
+
+def _parse_scalar(text: str, key: str) -> Any:
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, (dict, list)):
+        raise UserError(f"--set {key}= takes a single value, not {type(value).__name__}")
+    if hasattr(value, "isoformat"):  # YAML dates stay text
+        return text
+    return value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping safely; no tag may construct Python objects."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"config file {str(path)!r} is a directory; give a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read config file {str(path)!r}: {exc.__class__.__name__}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UserError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config file {str(path)!r} must be a mapping of sections, "
+                        f"got {type(raw).__name__}")
+    return raw
+
+
+def merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for section, values in overrides.items():
+        current = out.get(section)
+        out[section] = {**(current if isinstance(current, dict) else {}), **values}
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML file (optional) + dotted overrides -> validated Config."""
+    raw = read_yaml(path) if path is not None else {}
+    source = f"config file {str(path)!r}" if path is not None else "config"
+    return Config.from_dict(merge(raw, parse_overrides(list(overrides))), source=source)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

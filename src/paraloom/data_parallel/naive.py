@@ -1,0 +1,41 @@
+"""DataParallelNaive: all-reduce every gradient after backward, one blocking call per parameter.
+
+The correctness reference for every faster data-parallel engine: no buckets, no overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraloom.comm.collectives import CommStats, all_reduce, broadcast
+
+
+class DataParallelNaive(nn.Module):
+    """Wraps a module; `sync_gradients()` after backward averages gradients over `group`."""
+
+    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
+                 stats: CommStats | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.stats = stats if stats is not None else CommStats()
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():  # every replica starts from group rank 0's state, as DDP does
+            for tensor in [*module.parameters(), *module.buffers()]:
+                broadcast(tensor.data, group=group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Average every parameter's gradient over the group; a missing gradient counts as zero."""
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            all_reduce(p.grad, group=self.group, stats=self.stats)
+            if self.world_size > 1:
+                p.grad.div_(self.world_size)

@@ -1,0 +1,41 @@
+"""Start local workers through torch's elastic agent (the engine behind torchrun)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from paraloom import worker
+from paraloom.config import Config
+
+
+class WorkersFailed(RuntimeError):
+    """A worker process ended with an error; `exitcode` is the first failing rank's."""
+
+    def __init__(self, message: str, exitcode: int) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
+def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
+                 host: str = "127.0.0.1", interface: str = "lo") -> dict[str, Any]:
+    """Run `cfg.parallel.nproc` workers on this machine; returns rank 0's summary.
+
+    Rendezvous and gloo both stay on loopback: nothing listens beyond this machine.
+    """
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.nproc,
+        run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
+        local_addr=host, max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    try:
+        results = elastic_launch(launch, worker.run)(cfg.to_dict(), str(run_dir), started_at,
+                                                     cfg.comm.interface or interface)
+    except ChildFailedError as exc:
+        rank, failure = min(exc.failures.items())
+        raise WorkersFailed(f"worker rank {rank} failed (exit code {failure.exitcode})",
+                            failure.exitcode) from None
+    return results[0]

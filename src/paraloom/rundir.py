@@ -1,0 +1,39 @@
+"""Run directories: `runs/<name>/` with the resolved config; an existing run is never overwritten."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from paraloom.config import Config, dump_config
+from paraloom.errors import UserError
+
+
+def default_name(cfg: Config) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{cfg.model.name}-{cfg.data.name}-{cfg.parallel.mode}{cfg.parallel.nproc}-{stamp}"
+
+
+def new_run_dir(cfg: Config, path: Path | None = None) -> Path:
+    """Create the run directory and write `config.yaml` (with the final run name) into it."""
+    if path is None:
+        base = Path(cfg.run.out_dir)
+        if cfg.run.name is not None:
+            path = base / cfg.run.name
+        else:
+            path = base / default_name(cfg)
+            suffix = 2
+            while path.exists():
+                path = base / f"{default_name(cfg)}-{suffix}"
+                suffix += 1
+    if path.exists() and any(path.iterdir()):
+        raise UserError(f"run directory {str(path)!r} already holds a run; "
+                        "choose another run.name (or remove it)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create run directory {str(path)!r}: {exc.strerror}") from None
+    named = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=path.name))
+    dump_config(named, path / "config.yaml")
+    return path

@@ -1,0 +1,91 @@
+"""One rank of a run: joins the process group and trains.
+
+Started by `paraloom train` through torch's elastic agent, or on many nodes by torchrun:
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m paraloom.worker CONFIG.yaml [--set section.key=value ...] [--run-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraloom.config import CommConfig, Config, RunConfig, load_config
+from paraloom.errors import UserError
+from paraloom.rundir import new_run_dir
+
+
+def pick_device(run: RunConfig) -> torch.device:
+    if run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(comm: CommConfig, device: torch.device, *, interface: str | None) -> None:
+    """Join the default process group from the launcher's environment (RANK, WORLD_SIZE, ...)."""
+    backend = comm.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("comm.backend=nccl needs run.device=cuda; use comm.backend=gloo on CPU")
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # gloo reads its interface here
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=comm.timeout_s))
+
+
+def run(config: dict[str, Any], run_dir: str | None, started_at: float,
+        interface: str | None = None) -> dict[str, Any]:
+    """Elastic-agent entry: one rank's whole life, process group set up and torn down."""
+    from paraloom.train import train
+
+    torch.set_num_threads(_threads_per_worker())
+    cfg = Config.from_dict(config)
+    device = pick_device(cfg.run)
+    init_distributed(cfg.comm, device, interface=interface or cfg.comm.interface)
+    try:
+        return train(cfg, Path(run_dir) if run_dir else None, device=device, started_at=started_at)
+    finally:
+        dist.destroy_process_group()
+
+
+def _threads_per_worker() -> int:
+    """Share this node's cores among its workers (LOCAL_WORLD_SIZE is set by the launcher)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m paraloom.worker CONFIG.yaml` under torchrun: every rank reads the same config."""
+    started_at = time.time()
+    parser = argparse.ArgumentParser(prog="python -m paraloom.worker")
+    parser.add_argument("config", nargs="?", help="YAML config (same file on every node)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--run-dir", help="run directory on global rank 0 (default: a new one)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        cfg.validate_world(int(os.environ.get("WORLD_SIZE", "1")))
+        run_dir = None
+        if int(os.environ.get("RANK", "0")) == 0:
+            run_dir = new_run_dir(cfg, Path(args.run_dir) if args.run_dir else None)
+        run(cfg.to_dict(), str(run_dir) if run_dir else None, started_at)
+    except UserError as exc:
+        print(f"paraloom: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
