@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from paraloom.config import load_config, section_keys
-from paraloom.errors import UserError
+from paraloom.errors import UserError, WorkersFailed
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Parallel deep-learning training on PyTorch.")
@@ -75,8 +75,6 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 1 a worker failed, 2 bad input, 130 interrupted)."""
-    from paraloom.launch import WorkersFailed
-
     try:
         result = app(args=argv, prog_name="paraloom", standalone_mode=False)
     except UserError as exc:

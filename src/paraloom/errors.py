@@ -3,3 +3,11 @@
 
 class UserError(ValueError):
     """Bad input (config, CLI argument, file); the message says what to do instead."""
+
+
+class WorkersFailed(RuntimeError):
+    """A worker process ended with an error; `exitcode` is the first failing rank's."""
+
+    def __init__(self, message: str, exitcode: int) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode

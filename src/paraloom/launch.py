@@ -11,14 +11,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paraloom import worker
 from paraloom.config import Config
-
-
-class WorkersFailed(RuntimeError):
-    """A worker process ended with an error; `exitcode` is the first failing rank's."""
-
-    def __init__(self, message: str, exitcode: int) -> None:
-        super().__init__(message)
-        self.exitcode = exitcode
+from paraloom.errors import WorkersFailed
 
 
 def launch_local(cfg: Config, run_dir: Path, *, started_at: float,

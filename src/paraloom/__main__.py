@@ -1,0 +1,5 @@
+"""`python -m paraloom` runs the CLI."""
+
+from paraloom.cli import entry
+
+entry()

@@ -1,0 +1,105 @@
+"""The CLI: user errors are one line with exit code 2; `paraloom train` runs end to end."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from paraloom.cli import main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", "--set", "data.name=nope"], "data.name='nope' is not valid"),
+    (["train", "--nproc", "0"], "--nproc 0 must be at least 1"),
+    (["train", "--nproc", "two"], "--nproc"),
+    (["train", "absent.yaml"], "config file 'absent.yaml' does not exist"),
+    (["train", "--set", "data.batch_size=63"], "cannot be split across 2 workers"),
+    (["train", "--set", "data.batch_size=64", "--nproc", "3"], "cannot be split across 3 workers"),
+    (["train", "--set", "bogus"], "must look like section.key=value"),
+    (["train", "--bogus"], "No such option"),
+    (["nope"], "No such command"),
+])
+def test_user_errors_are_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("paraloom: error: ") and message in lines[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_existing_run_name_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    (tmp_path / "runs" / "mine" / "summary.json").write_text("{}")
+    assert main(["train", "--set", "run.name=mine"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_help_lists_sections_and_keys(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for key in ("run:", "data:", "batch_size", "comm:", "timeout_s", "parallel:", "nproc"):
+        assert key in out
+
+
+def _check_run_dir(run_dir, steps, log_every):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("test_accuracy", "wall_seconds", "samples_per_second", "restarts"):
+        assert key in summary
+    assert summary["steps"] == steps and summary["restarts"] == 0 and summary["world_size"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(log_every, steps + 1, log_every))
+    for row in rows:
+        assert {"step", "loss", "lr", "samples_per_s", "comm_bytes", "comm_seconds"} <= row.keys()
+        assert row["comm_bytes"] > 0
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["run"]["name"] == run_dir.name
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    return summary
+
+
+def test_train_end_to_end_with_two_workers(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "paraloom", "train", "--nproc", "2", "--set", "optim.max_steps=6",
+         "--set", "run.log_every=2", "--set", "run.name=e2e", "--set", f"run.out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = _check_run_dir(tmp_path / "e2e", steps=6, log_every=2)
+    assert summary["comm_bytes_per_step"] > 0
+    assert "test accuracy" in proc.stdout
+
+
+def test_worker_module_runs_under_torchrun(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"optim": {"max_steps": 4}, "run": {"log_every": 2},
+                                      "comm": {"interface": "lo"}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "paraloom.worker", str(config), "--run-dir", str(tmp_path / "tr")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    _check_run_dir(tmp_path / "tr", steps=4, log_every=2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard installed")
+def test_tensorboard_without_the_package_is_a_user_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--set", "run.tensorboard=true"]) == 2
+    assert "pip install tensorboard" in capsys.readouterr().err
+
+
+def test_public_api():
+    import paraloom
+
+    assert paraloom.Topology(dp=2).world_size == 2
+    assert set(paraloom.__all__) <= set(dir(paraloom)) | set(paraloom._LAZY)
+    with pytest.raises(AttributeError):
+        paraloom.nope  # noqa: B018

@@ -1,0 +1,91 @@
+"""Config: YAML + dotted overrides, types checked, every mistake a UserError naming key and fix."""
+
+import pytest
+
+from paraloom.config import Config, dump_config, load_config, parse_overrides, read_yaml
+from paraloom.errors import UserError
+
+
+def test_defaults_are_the_main_job():
+    cfg = load_config()
+    assert (cfg.model.name, cfg.data.name, cfg.parallel.mode, cfg.parallel.nproc) == \
+        ("cnn", "digits", "dp", 2)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  batch_size: 32\noptim:\n  name: sgd\n  lr: 0.1\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "run.name=x", "optim.max_steps=null"])
+    assert cfg.data.batch_size == 32 and cfg.optim.name == "sgd"
+    assert cfg.optim.lr == pytest.approx(1e-3) and cfg.run.name == "x" and cfg.optim.max_steps is None
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(None, ["model.name=mlp", "comm.interface=eth0", "optim.epochs=3"])
+    dump_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.name=nope"], r"data.name='nope' is not valid; choose one of: digits, synthetic"),
+    (["nope.key=1"], r"unknown section 'nope'.*sections: run, model, data"),
+    (["data.size=1"], r"unknown key data.size; keys of data: name, batch_size"),
+    (["data.batch_size=abc"], r"data.batch_size must be int, got 'abc'"),
+    (["data.batch_size=1.5"], r"data.batch_size must be int"),
+    (["data.batch_size=0"], r"data.batch_size=0 must be at least 1"),
+    (["run.tensorboard=1"], r"run.tensorboard must be bool"),
+    (["optim.lr=-1"], r"optim.lr=-1.0 must be positive"),
+    (["optim.lr=.nan"], r"optim.lr must be a finite number"),
+    (["optim.lr=null"], r"optim.lr must not be empty"),
+    (["data.test_fraction=1"], r"data.test_fraction=1.0 must lie strictly between 0 and 1"),
+    (["parallel.nproc=0"], r"parallel.nproc=0 must be at least 1"),
+    (["batch_size=3"], r"must look like section.key=value"),
+    (["data.batch_size"], r"must look like section.key=value"),
+    (["data.batch_size=[1, 2]"], r"takes a single value"),
+    (["run.name=a/b"], r"plain directory name"),
+])
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("- 1\n- 2\n", "must be a mapping of sections, got list"),
+    ("just text", "must be a mapping of sections, got str"),
+    ("data: [1, 2]\n", "section 'data' .* must be a mapping"),
+    ("data: {batch_size: 32\n", "is not valid YAML"),
+    ("!!python/object/apply:os.system ['true']\n", "is not valid YAML"),
+    ("run: !!python/name:os.system\n", "is not valid YAML"),
+])
+def test_bad_files(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_config(path)
+
+
+def test_missing_directory_and_binary_files(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        read_yaml(tmp_path / "absent.yaml")
+    with pytest.raises(UserError, match="is a directory"):
+        read_yaml(tmp_path)
+    (tmp_path / "b.yaml").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(UserError, match="cannot read"):
+        read_yaml(tmp_path / "b.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml") == load_config()
+
+
+def test_world_checks_suggest_a_batch_size():
+    cfg = load_config(None, ["data.batch_size=63"])
+    with pytest.raises(UserError, match="cannot be split across 2 workers; .* e.g. 62 or 64"):
+        cfg.validate_world(2)
+    cfg.validate_world(3)
+    with pytest.raises(UserError, match="model.name=cnn needs image data"):
+        load_config(None, ["data.name=synthetic"]).validate_world(1)
+
+
+def test_override_values_parse_as_yaml_scalars():
+    assert parse_overrides(["a.b=true", "a.c=3", "a.d=x y", "a.e=", "a.f=2026-01-01"]) == \
+        {"a": {"b": True, "c": 3, "d": "x y", "e": None, "f": "2026-01-01"}}
