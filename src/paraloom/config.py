@@ -15,6 +15,8 @@ import yaml
 
 from paraloom.errors import UserError
 
+ALL_REDUCE_NAMES = ("native", "ring", "halving_doubling", "tree", "one_to_all")
+
 
 def _choices(*names: str, default: str) -> Any:
     return field(default=default, metadata={"choices": names})
@@ -100,6 +102,7 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class CommConfig:
     backend: str = _choices("auto", "gloo", "nccl", default="auto")  # auto: nccl on cuda else gloo
+    algorithm: str = _choices(*ALL_REDUCE_NAMES, default="native")  # gradient all-reduce (see comm)
     timeout_s: float = 300.0  # collective timeout before a rank gives up
     interface: str | None = None  # network interface for gloo; None: loopback for local runs
 

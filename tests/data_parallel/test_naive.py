@@ -45,13 +45,13 @@ def _reference(model_name, opt_name, n):
     return losses, grads, [p.detach().clone() for p in model.parameters()]
 
 
-def _data_parallel(rank, world, model_name, opt_name, n):
+def _data_parallel(rank, world, model_name, opt_name, n, algorithm="native"):
     split, model, optimizer = _setup(model_name, opt_name)
     if rank:  # replicas start apart on purpose: the engine must broadcast rank 0's state
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    engine = DataParallelNaive(model)
+    engine = DataParallelNaive(model, algorithm=algorithm)
     losses, grads = [], None
     for idx, count in _steps(n, rank, world):
         loss, loss_sum = batch_loss(engine, split.x_train[idx], split.y_train[idx],
@@ -73,6 +73,15 @@ def _data_parallel(rank, world, model_name, opt_name, n):
 def test_equals_one_process_on_the_full_batch(world, model_name, opt_name, n):
     ref_losses, ref_grads, ref_params = _reference(model_name, opt_name, n)
     for losses, grads, params in run_workers(_data_parallel, world, model_name, opt_name, n):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        torch.testing.assert_close(grads, ref_grads)
+        torch.testing.assert_close(params, ref_params)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "tree", "one_to_all"])
+def test_every_all_reduce_algorithm_gives_the_same_training(algorithm):
+    ref_losses, ref_grads, ref_params = _reference("mlp", "sgd", 100)
+    for losses, grads, params in run_workers(_data_parallel, 3, "mlp", "sgd", 100, algorithm):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         torch.testing.assert_close(grads, ref_grads)
         torch.testing.assert_close(params, ref_params)

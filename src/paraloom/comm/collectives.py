@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from paraloom.comm import algorithms
+
 
 @dataclass
 class CommStats:
@@ -34,11 +36,11 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 def all_reduce(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, algorithm: str = "native",
                stats: CommStats | None = None) -> torch.Tensor:
-    """Blocking in-place all-reduce, timed and counted in `stats`."""
+    """Blocking in-place all-reduce with the named algorithm, timed and counted in `stats`."""
     start = time.perf_counter()
-    dist.all_reduce(tensor, op=op, group=group)
+    algorithms.all_reduce(tensor, algorithm=algorithm, op=op, group=group)
     if stats is not None:
         stats.add(nbytes(tensor), time.perf_counter() - start)
     return tensor

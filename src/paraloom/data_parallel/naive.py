@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.comm.algorithms import check_algorithm
 from paraloom.comm.collectives import CommStats, all_reduce, broadcast
 
 
@@ -16,10 +17,12 @@ class DataParallelNaive(nn.Module):
     """Wraps a module; `sync_gradients()` after backward averages gradients over `group`."""
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
-                 stats: CommStats | None = None) -> None:
+                 algorithm: str = "native", stats: CommStats | None = None) -> None:
         super().__init__()
+        check_algorithm(algorithm)
         self.module = module
         self.group = group
+        self.algorithm = algorithm
         self.world_size = dist.get_world_size(group)
         self.stats = stats if stats is not None else CommStats()
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -36,6 +39,5 @@ class DataParallelNaive(nn.Module):
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            all_reduce(p.grad, group=self.group, stats=self.stats)
-            if self.world_size > 1:
-                p.grad.div_(self.world_size)
+            all_reduce(p.grad, group=self.group, op=dist.ReduceOp.AVG, algorithm=self.algorithm,
+                       stats=self.stats)

@@ -71,7 +71,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     model = build_model(model_kwargs.pop("name"), split.input_shape, split.n_classes,
                         **model_kwargs).to(device)
     stats = CommStats()
-    engine = DataParallelNaive(model, group=groups.dp_group, stats=stats)
+    engine = DataParallelNaive(model, group=groups.dp_group, algorithm=cfg.comm.algorithm, stats=stats)
     stats.take()  # the initial broadcast is not a training step's traffic
     optimizer = make_optimizer(cfg.optim, model.parameters())
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank,

@@ -1,0 +1,60 @@
+"""Point-to-point plumbing for hand-written collectives: group ranks, tags, segmented exchanges."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEGMENT_BYTES = 1 << 20  # messages are cut into pieces of this size so reduction overlaps receiving
+
+
+class Peers:
+    """A process group seen by one rank: its rank, size, and sends/receives by group rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        whole = group is None or group == dist.group.WORLD
+        self._global = list(range(self.size)) if whole else [
+            dist.get_global_rank(group, i) for i in range(self.size)]
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.isend(tensor, dst=self._global[peer], group=self.group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        return dist.irecv(tensor, src=self._global[peer], group=self.group, tag=tag)
+
+
+def segment_elems(tensor: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> int:
+    return max(1, segment_bytes // tensor.element_size())
+
+
+def pieces(tensor: torch.Tensor, elems: int) -> tuple[torch.Tensor, ...]:
+    """Split a 1-D tensor into pieces of `elems`; an empty tensor has no pieces (sends nothing)."""
+    return tensor.split(elems) if tensor.numel() else ()
+
+
+def send(peers: Peers, tensor: torch.Tensor, peer: int, tag: int, elems: int) -> list[dist.Work]:
+    """Post a segmented send; the caller waits on the returned handles."""
+    return [peers.isend(p, peer, tag + i) for i, p in enumerate(pieces(tensor, elems))]
+
+
+def recv(peers: Peers, out: torch.Tensor, peer: int, tag: int, elems: int,
+         scratch: torch.Tensor | None = None) -> None:
+    """Receive `out` from `peer`; with `scratch`, add what arrives into `out` piece by piece."""
+    targets = pieces(scratch[: out.numel()] if scratch is not None else out, elems)
+    handles = [peers.irecv(t, peer, tag + i) for i, t in enumerate(targets)]
+    for piece, handle, got in zip(pieces(out, elems), handles, targets, strict=True):
+        handle.wait()
+        if scratch is not None:
+            piece.add_(got)
+
+
+def exchange(peers: Peers, outgoing: torch.Tensor, incoming: torch.Tensor, peer: int, tag: int,
+             elems: int, scratch: torch.Tensor | None = None) -> None:
+    """Send `outgoing` to `peer` while receiving `incoming` from it (added in, with `scratch`)."""
+    sends = send(peers, outgoing, peer, tag, elems)
+    recv(peers, incoming, peer, tag, elems, scratch)
+    for handle in sends:
+        handle.wait()
