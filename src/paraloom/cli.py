@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -37,28 +39,160 @@ def train(
     config: Annotated[Path | None, typer.Argument(help="YAML config file (optional)")] = None,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")] = None,
-    nproc: Annotated[int | None, typer.Option(help="worker processes (parallel.nproc)")] = None,
+    nproc: Annotated[int | None, typer.Option(
+        help="worker processes (parallel.nproc); per node on a cluster, where it defaults to 1")] = None,
+    cluster: Annotated[str | None, typer.Option(
+        help="run on the emulated cluster NAME (`paraloom cluster up`), one worker per node")] = None,
+    emulate: Annotated[str | None, typer.Option(
+        metavar="NODESxRATE", help="bring up an emulated cluster for this run, e.g. 4x1gbit")] = None,
 ) -> None:
     """Train a model with local worker processes; writes runs/<name>/."""
-    from paraloom.launch import launch_local
-    from paraloom.rundir import new_run_dir
-
     started_at = time.time()
     overrides = list(set_ or [])
     if nproc is not None:
         if nproc < 1:
             raise UserError(f"--nproc {nproc} must be at least 1")
         overrides.append(f"parallel.nproc={nproc}")
+    elif cluster or emulate:
+        overrides.append("parallel.nproc=1")
     cfg = load_config(config, overrides)
-    cfg.validate_world(cfg.parallel.nproc)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
-    run_dir = new_run_dir(cfg)
-    console = Console(stderr=True)
-    console.print(f"paraloom: {cfg.parallel.nproc} workers, {cfg.model.name} on {cfg.data.name}, "
-                  f"run directory {run_dir}", highlight=False, soft_wrap=True)
-    summary = launch_local(cfg, run_dir, started_at=started_at)
+    with _cluster_from_options(cluster, emulate) as nodes:
+        world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
+        cfg.validate_world(world)
+        summary, run_dir = _train_on(cfg, nodes, world, started_at)
     print_summary(summary, run_dir)
+
+
+@contextlib.contextmanager
+def _cluster_from_options(name: str | None, emulate: str | None):
+    """The cluster a command runs on: none (loopback), an existing one, or one made for it."""
+    if name and emulate:
+        raise UserError("give --cluster or --emulate, not both")
+    if emulate is None:
+        if name is None:
+            yield None
+            return
+        from paraloom.cluster import EmulatedCluster
+
+        yield EmulatedCluster.attach(name)
+        return
+    from paraloom.cluster import EmulatedCluster, list_clusters, parse_emulate
+
+    spec = parse_emulate(emulate, name=_free_cluster_name(list_clusters()))
+    with EmulatedCluster(spec) as made:
+        yield made
+
+
+def _free_cluster_name(existing) -> str:
+    return next(f"emu{i}" for i in range(1000) if f"emu{i}" not in existing)
+
+
+def _train_on(cfg, nodes, world: int, started_at: float):
+    from paraloom.rundir import new_run_dir
+
+    run_dir = new_run_dir(cfg, world=world)
+    where = f"on {nodes.describe()}" if nodes else "on this machine"
+    Console(stderr=True).print(f"paraloom: {world} workers {where}, {cfg.model.name} on {cfg.data.name}, "
+                               f"run directory {run_dir}", highlight=False, soft_wrap=True)
+    if nodes is None:
+        from paraloom.launch import launch_local
+
+        return launch_local(cfg, run_dir, started_at=started_at), run_dir
+    from paraloom.cluster.launch import torchrun_on_cluster
+
+    torchrun_on_cluster(nodes, ["paraloom.worker", str(run_dir / "config.yaml"), "--run-dir",
+                                str(run_dir), "--started-at", repr(started_at)],
+                        log_dir=run_dir, nproc_per_node=cfg.parallel.nproc)
+    return json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+cluster_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                          help="Emulated cluster: network namespaces joined by shaped links (needs root).")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("up")
+def cluster_up(
+    nodes: Annotated[int, typer.Option(help="number of nodes (network namespaces)")] = 4,
+    bandwidth: Annotated[str, typer.Option(help="each node's link, each direction: 100mbit, 1gbit, ...")] = "1gbit",
+    name: Annotated[str, typer.Option(help="cluster name (1-8 lowercase letters or digits)")] = "default",
+    latency: Annotated[str | None, typer.Option(help="not available here: netem is missing")] = None,
+) -> None:
+    """Bring an emulated cluster up; it stays up until `paraloom cluster down`."""
+    from paraloom.cluster import ClusterSpec, EmulatedCluster, parse_rate
+
+    if latency is not None:
+        raise UserError("--latency needs the netem qdisc, which this kernel does not have; "
+                        "links are shaped in bandwidth only")
+    made = EmulatedCluster(ClusterSpec(nodes, parse_rate(bandwidth), name)).up()
+    print(f"up: {made.describe()}")
+
+
+@cluster_app.command("down")
+def cluster_down(
+    name: Annotated[str | None, typer.Option(help="cluster to remove (default: every cluster)")] = None,
+) -> None:
+    """Stop everything running on an emulated cluster and remove its namespaces."""
+    from paraloom.cluster import EmulatedCluster, list_clusters
+
+    targets = [EmulatedCluster.attach(name)] if name else list(list_clusters().values())
+    for target in targets:
+        target.down()
+        print(f"down: {target.name}")
+    if not targets:
+        print("no emulated cluster is up")
+
+
+@cluster_app.command("status")
+def cluster_status() -> None:
+    """List the emulated clusters that are up."""
+    from paraloom.cluster import list_clusters
+
+    clusters = list_clusters()
+    for c in clusters.values():
+        print(c.describe())
+    if not clusters:
+        print("no emulated cluster is up")
+
+
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("collectives")
+def bench_collectives(
+    sizes: Annotated[str, typer.Option(help="A..B (x4 steps) or a list: 1KB..64MB, 1MB,16MB")] = "1KB..64MB",
+    algorithms: Annotated[str, typer.Option(help="comma-separated all-reduce algorithms")] =
+        "native,ring,halving_doubling,tree,one_to_all",
+    cluster: Annotated[str | None, typer.Option(help="run on the emulated cluster NAME")] = None,
+    emulate: Annotated[str | None, typer.Option(metavar="NODESxRATE",
+                                                help="bring up a cluster for the benchmark, e.g. 4x1gbit")] = None,
+    nproc: Annotated[int, typer.Option(help="local workers when on loopback")] = 4,
+    max_repeats: Annotated[int, typer.Option(help="timed repeats per point at most")] = 20,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
+) -> None:
+    """All-reduce algorithms against the backend's own: time, algbw and busbw per size."""
+    from paraloom.comm.algorithms import check_algorithm
+    from paraloom.comm.bench import parse_sizes, report_table, run_collectives
+
+    names = [a.strip() for a in algorithms.split(",") if a.strip()]
+    for algorithm in names:
+        check_algorithm(algorithm)
+    size_list = parse_sizes(sizes)
+    if nproc < 2:
+        raise UserError(f"--nproc {nproc} must be at least 2 for a collective benchmark")
+    if max_repeats < 3:
+        raise UserError(f"--max-repeats {max_repeats} must be at least 3")
+    if json_out is not None and not json_out.parent.is_dir():
+        raise UserError(f"--json {str(json_out)!r}: directory {str(json_out.parent)!r} does not exist")
+    with _cluster_from_options(cluster, emulate) as nodes:
+        report = run_collectives(sizes=size_list, algorithms=names, cluster=nodes, nproc=nproc,
+                                 max_repeats=max_repeats)
+    Console(width=max(Console().width, 140)).print(report_table(report))
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +15,28 @@ from paraloom.config import Config
 from paraloom.errors import WorkersFailed
 
 
-def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
-                 host: str = "127.0.0.1", interface: str = "lo") -> dict[str, Any]:
-    """Run `cfg.parallel.nproc` workers on this machine; returns rank 0's summary.
+def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int,
+                host: str = "127.0.0.1") -> dict[int, Any]:
+    """Run `fn(*args)` on `nproc` local workers; returns each rank's result.
 
-    Rendezvous and gloo both stay on loopback: nothing listens beyond this machine.
+    Rendezvous stays on `host` (loopback by default): nothing listens beyond this machine.
+    `fn` must be importable (workers are spawned) and set GLOO_SOCKET_IFNAME itself if needed.
     """
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.nproc,
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
         local_addr=host, max_restarts=0, monitor_interval=0.1, start_method="spawn")
     try:
-        results = elastic_launch(launch, worker.run)(cfg.to_dict(), str(run_dir), started_at,
-                                                     cfg.comm.interface or interface)
+        return elastic_launch(launch, fn)(*args)
     except ChildFailedError as exc:
         rank, failure = min(exc.failures.items())
         raise WorkersFailed(f"worker rank {rank} failed (exit code {failure.exitcode})",
                             failure.exitcode) from None
+
+
+def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
+                 interface: str = "lo") -> dict[str, Any]:
+    """Train with `cfg.parallel.nproc` workers on this machine; returns rank 0's summary."""
+    results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
+                                       cfg.comm.interface or interface), nproc=cfg.parallel.nproc)
     return results[0]

@@ -10,26 +10,29 @@ from paraloom.config import Config, dump_config
 from paraloom.errors import UserError
 
 
-def default_name(cfg: Config) -> str:
+def default_name(cfg: Config, world: int) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{cfg.model.name}-{cfg.data.name}-{cfg.parallel.mode}{cfg.parallel.nproc}-{stamp}"
+    return f"{cfg.model.name}-{cfg.data.name}-{cfg.parallel.mode}{world}-{stamp}"
 
 
-def new_run_dir(cfg: Config, path: Path | None = None) -> Path:
-    """Create the run directory and write `config.yaml` (with the final run name) into it."""
+def new_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = None) -> Path:
+    """Create the run directory and write `config.yaml` (with the final run name) into it.
+
+    A directory that a launcher prepared (holding only config.yaml) is taken as it is.
+    """
     if path is None:
         base = Path(cfg.run.out_dir)
-        if cfg.run.name is not None:
-            path = base / cfg.run.name
-        else:
-            path = base / default_name(cfg)
-            suffix = 2
-            while path.exists():
-                path = base / f"{default_name(cfg)}-{suffix}"
-                suffix += 1
-    if path.exists() and any(path.iterdir()):
+        name = default_name(cfg, world or cfg.parallel.nproc)
+        path = base / (cfg.run.name or name)
+        suffix = 2
+        while cfg.run.name is None and path.exists():
+            path = base / f"{name}-{suffix}"
+            suffix += 1
+    if path.exists() and any(p.name != "config.yaml" for p in path.iterdir()):
         raise UserError(f"run directory {str(path)!r} already holds a run; "
                         "choose another run.name (or remove it)")
+    if (path / "config.yaml").exists():
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -61,7 +61,9 @@ def run(config: dict[str, Any], run_dir: str | None, started_at: float,
 
 
 def _threads_per_worker() -> int:
-    """Share this node's cores among its workers (LOCAL_WORLD_SIZE is set by the launcher)."""
+    """Share this node's cores among its workers; a launcher's OMP_NUM_THREADS wins."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, (os.cpu_count() or 1) // local)
 
@@ -73,13 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", help="YAML config (same file on every node)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--run-dir", help="run directory on global rank 0 (default: a new one)")
+    parser.add_argument("--started-at", type=float, help=argparse.SUPPRESS)  # the launcher's clock
     args = parser.parse_args(argv)
+    started_at = args.started_at or started_at
     try:
         cfg = load_config(args.config, args.set)
         cfg.validate_world(int(os.environ.get("WORLD_SIZE", "1")))
         run_dir = None
         if int(os.environ.get("RANK", "0")) == 0:
-            run_dir = new_run_dir(cfg, Path(args.run_dir) if args.run_dir else None)
+            run_dir = new_run_dir(cfg, Path(args.run_dir) if args.run_dir else None,
+                                  world=int(os.environ.get("WORLD_SIZE", "1")))
         run(cfg.to_dict(), str(run_dir) if run_dir else None, started_at)
     except UserError as exc:
         print(f"paraloom: error: {exc}", file=sys.stderr)

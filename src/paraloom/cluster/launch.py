@@ -1,0 +1,90 @@
+"""Run a module on every node of an emulated cluster: one torchrun (elastic agent) per namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from paraloom.cluster.emulated import EmulatedCluster
+from paraloom.errors import WorkersFailed
+
+RDZV_PORT = 29400
+
+
+def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log_dir: Path,
+                        nproc_per_node: int = 1, max_restarts: int = 0) -> None:
+    """Start `python -m torch.distributed.run ... -m MODULE ARGS` in every node's namespace.
+
+    Rendezvous is on node 0's address; gloo binds to each node's eth0, so every byte between
+    workers crosses the shaped links. Node 0's output goes to this terminal, the others' to
+    `log_dir/node<i>.log`. Returns when all nodes finish; the first failure stops the rest.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0",
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // (cluster.nodes * nproc_per_node))))
+    run_id = uuid.uuid4().hex[:12]
+    procs, logs = [], []
+    try:
+        for node in range(cluster.nodes):
+            cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "torch.distributed.run",
+                   f"--nnodes={cluster.nodes}", f"--nproc-per-node={nproc_per_node}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.address(0)}:{RDZV_PORT}",
+                   f"--rdzv-id={run_id}", f"--local-addr={cluster.address(node)}",
+                   # node 0 hosts the rendezvous store: its name resolves to loopback, so torch
+                   # cannot tell by itself that the endpoint address is its own
+                   f"--rdzv-conf=is_host={int(node == 0)}",
+                   f"--max-restarts={max_restarts}", "-m", *module_args]
+            log = None if node == 0 else (log_dir / f"node{node}.log").open("w")
+            logs.append(log)
+            stderr = subprocess.STDOUT if log else None
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=stderr))
+        _wait_all(procs, log_dir)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            if log is not None:
+                log.close()
+
+
+def _wait_all(procs: list[subprocess.Popen], log_dir: Path) -> None:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            node, code = failed[0]
+            where = "above" if node == 0 else str(log_dir / f"node{node}.log")
+            raise WorkersFailed(f"node {node} failed (exit code {code}); its output is {where}", code)
+        if all(c == 0 for c in codes):
+            return
+        time.sleep(0.1)
+
+
+def link_throughput(cluster: EmulatedCluster | None, nbytes: int, port: int = 5201) -> float:
+    """MB/s of one TCP stream from node 0 to node 1 (or over loopback when `cluster` is None)."""
+    host = cluster.address(1) if cluster else "127.0.0.1"
+    prefix = (lambda node: cluster.exec_prefix(node)) if cluster else (lambda node: [])
+    base = [sys.executable, "-m", "paraloom.cluster.linktest"]
+    receiver = subprocess.Popen([*prefix(1), *base, "recv", host, str(port), str(nbytes)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        subprocess.run([*prefix(0), *base, "send", host, str(port), str(nbytes)], check=True,
+                       timeout=120)
+        out, _ = receiver.communicate(timeout=60)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+            receiver.wait()
+    return float(json.loads(out)["MBps"])
