@@ -75,8 +75,8 @@ def ring(flat: torch.Tensor, peers: Peers, *, reduce_scatter: bool = True, all_g
         return [(peers.irecv(p, left, step * TAG_STRIDE + i), p, None)
                 for i, p in enumerate(pieces(block, elems))]
 
+    pending = post_recvs(0)  # receives before sends: gloo stalls on data nobody waits for
     sends = [peers.isend(p, right, i) for i, p in enumerate(pieces(blocks[sent_block(0)], elems))]
-    pending = post_recvs(0)
     for step in range(total):
         upcoming = post_recvs(step + 1) if step + 1 < total else []
         for i, (handle, piece, buf) in enumerate(pending):

@@ -40,21 +40,33 @@ def send(peers: Peers, tensor: torch.Tensor, peer: int, tag: int, elems: int) ->
     return [peers.isend(p, peer, tag + i) for i, p in enumerate(pieces(tensor, elems))]
 
 
+def post_recv(peers: Peers, out: torch.Tensor, peer: int, tag: int, elems: int,
+              scratch: torch.Tensor | None = None) -> list[tuple[dist.Work, torch.Tensor, torch.Tensor]]:
+    """Post the receives of `out` (into `scratch` when the data is to be added); finish with `finish`."""
+    targets = pieces(scratch[: out.numel()] if scratch is not None else out, elems)
+    return [(peers.irecv(t, peer, tag + i), piece, t)
+            for i, (piece, t) in enumerate(zip(pieces(out, elems), targets, strict=True))]
+
+
+def finish(posted: list[tuple[dist.Work, torch.Tensor, torch.Tensor]]) -> None:
+    """Wait for posted receives in order, adding each scratch piece into its target as it lands."""
+    for handle, piece, got in posted:
+        handle.wait()
+        if got.data_ptr() != piece.data_ptr():
+            piece.add_(got)
+
+
 def recv(peers: Peers, out: torch.Tensor, peer: int, tag: int, elems: int,
          scratch: torch.Tensor | None = None) -> None:
     """Receive `out` from `peer`; with `scratch`, add what arrives into `out` piece by piece."""
-    targets = pieces(scratch[: out.numel()] if scratch is not None else out, elems)
-    handles = [peers.irecv(t, peer, tag + i) for i, t in enumerate(targets)]
-    for piece, handle, got in zip(pieces(out, elems), handles, targets, strict=True):
-        handle.wait()
-        if scratch is not None:
-            piece.add_(got)
+    finish(post_recv(peers, out, peer, tag, elems, scratch))
 
 
 def exchange(peers: Peers, outgoing: torch.Tensor, incoming: torch.Tensor, peer: int, tag: int,
              elems: int, scratch: torch.Tensor | None = None) -> None:
     """Send `outgoing` to `peer` while receiving `incoming` from it (added in, with `scratch`)."""
+    posted = post_recv(peers, incoming, peer, tag, elems, scratch)  # receives first: never stall
     sends = send(peers, outgoing, peer, tag, elems)
-    recv(peers, incoming, peer, tag, elems, scratch)
+    finish(posted)
     for handle in sends:
         handle.wait()
