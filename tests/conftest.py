@@ -1,11 +1,56 @@
-"""Shared test setup: warm torch.testing once so forked ranks do not each pay for it."""
+"""Shared test setup: torch.testing warmed once for forked ranks; no network namespace outlives the run."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.testing
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/distributed.py is importable as `distributed`
 
 torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _netns_usable() -> str | None:
+    """None when network namespaces can be made here, else the reason they cannot."""
+    probe = f"plm-probe{os.getpid()}"
+    try:
+        made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    except FileNotFoundError:
+        return "iproute2 (`ip`) is not installed"
+    if made.returncode:
+        return f"cannot create network namespaces: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+NETNS_UNUSABLE = _netns_usable()
+
+
+def pytest_collection_modifyitems(config, items):
+    if NETNS_UNUSABLE:
+        skip = pytest.mark.skip(reason=f"netns: {NETNS_UNUSABLE}")
+        for item in items:
+            if "netns" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_namespace_survives():
+    """Fail the run, after removing them, if tests left emulated-cluster namespaces behind."""
+    before = _namespaces() if not NETNS_UNUSABLE else set()
+    yield
+    if NETNS_UNUSABLE:
+        return
+    left = sorted(ns for ns in _namespaces() - before if ns.startswith("plm-"))
+    for ns in left:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert not left, f"tests left network namespaces behind: {left}"

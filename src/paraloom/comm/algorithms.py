@@ -26,9 +26,26 @@ from paraloom.comm.p2p import Peers, exchange, pieces, recv, segment_elems, send
 from paraloom.config import ALL_REDUCE_NAMES
 from paraloom.errors import UserError
 
-TAG_STRIDE = 1 << 16  # tags of one step: base + piece index; steps never share a tag
+TAG_STRIDE = 1 << 16
+RING_LOOKAHEAD = 1
 
 _SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor, count: int) -> torch.Tensor:
+    """Receive buffers kept between calls: fresh pages would fault in the middle of every transfer.
+
+    Calls are blocking and issued from one thread (DESIGN.md §3), so they never share a buffer
+    while it is in use; the cache holds the largest buffers seen, per dtype and device.
+    """
+    key = (like.dtype, like.device, count)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.shape[1] < like.numel():
+        buf = _SCRATCH[key] = torch.empty(count, like.numel(), dtype=like.dtype, device=like.device)
+    return buf[:, : like.numel()]
 
 
 def _check_pieces(tensor: torch.Tensor, elems: int) -> None:
@@ -64,28 +81,31 @@ def ring(flat: torch.Tensor, peers: Peers, *, reduce_scatter: bool = True, all_g
     def received_block(step: int) -> int:
         return (r - 2 - step) % n if step < rs_steps else (r - 1 - (step - rs_steps)) % n
 
-    scratch = [torch.empty_like(blocks[0]), torch.empty_like(blocks[0])] if rs_steps else []
+    ahead = RING_LOOKAHEAD  # steps whose receives are posted before the current one is drained
+    scratch = list(_scratch(blocks[0], ahead + 1).unbind()) if rs_steps else []
 
     def post_recvs(step: int) -> list[tuple[dist.Work, torch.Tensor, torch.Tensor | None]]:
         block = blocks[received_block(step)]
-        if step < rs_steps:  # into scratch, to be added
-            buf = scratch[step % 2][: block.numel()]
+        if step < rs_steps:  # into scratch, to be added; step s+ahead reuses step s-1's buffer
+            buf = scratch[step % (ahead + 1)][: block.numel()]
             return [(peers.irecv(b, left, step * TAG_STRIDE + i), p, b)
                     for i, (p, b) in enumerate(zip(pieces(block, elems), pieces(buf, elems), strict=True))]
         return [(peers.irecv(p, left, step * TAG_STRIDE + i), p, None)
                 for i, p in enumerate(pieces(block, elems))]
 
-    pending = post_recvs(0)  # receives before sends: gloo stalls on data nobody waits for
+    # receives before sends: gloo stalls on data that no posted receive waits for
+    posted = [post_recvs(step) for step in range(min(ahead, total))]
     sends = [peers.isend(p, right, i) for i, p in enumerate(pieces(blocks[sent_block(0)], elems))]
     for step in range(total):
-        upcoming = post_recvs(step + 1) if step + 1 < total else []
-        for i, (handle, piece, buf) in enumerate(pending):
+        if step + ahead < total:
+            posted.append(post_recvs(step + ahead))
+        for i, (handle, piece, buf) in enumerate(posted[step]):
             handle.wait()
             if buf is not None:
                 piece.add_(buf)
             if step + 1 < total:  # this piece is part of the block the next step sends
                 sends.append(peers.isend(piece, right, (step + 1) * TAG_STRIDE + i))
-        pending = upcoming
+        posted[step] = []
     for handle in sends:
         handle.wait()
 
@@ -98,7 +118,7 @@ def halving_doubling(flat: torch.Tensor, peers: Peers, *, elems: int | None = No
     _check_pieces(flat, elems)
     p = 1 << (n.bit_length() - 1)  # largest power of two <= n
     extra = n - p
-    scratch = torch.empty_like(flat)
+    scratch = _scratch(flat, 1)[0]
     tag = 0
     if r < 2 * extra:  # fold: even ranks hand their vector to the odd neighbour and wait
         if r % 2 == 0:
@@ -147,7 +167,7 @@ def tree(flat: torch.Tensor, peers: Peers, *, elems: int | None = None) -> None:
         return
     elems = elems or segment_elems(flat)
     _check_pieces(flat, elems)
-    scratch = torch.empty_like(flat)
+    scratch = _scratch(flat, 1)[0]
     mask = 1
     while mask < n:  # reduce: at level k a rank with bit k set sends to its parent and is done
         if r & mask:
@@ -180,7 +200,7 @@ def one_to_all(flat: torch.Tensor, peers: Peers, *, elems: int | None = None) ->
             handle.wait()
         recv(peers, flat, 0, TAG_STRIDE, elems)
         return
-    scratch = torch.empty_like(flat)
+    scratch = _scratch(flat, 1)[0]
     for peer in range(1, n):
         recv(peers, flat, peer, 0, elems, scratch)
     handles = [h for peer in range(1, n) for h in send(peers, flat, peer, TAG_STRIDE, elems)]

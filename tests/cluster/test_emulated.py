@@ -1,0 +1,125 @@
+"""The emulated cluster for real: namespaces, shaped links, runs across them, and cleanup."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paraloom.cli import main
+from paraloom.cluster import ClusterSpec, EmulatedCluster, list_clusters, parse_rate
+from paraloom.cluster.launch import link_throughput
+
+pytestmark = pytest.mark.netns
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ours(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def _name() -> str:
+    return f"t{os.getpid() % 10000}{int(time.monotonic() * 10) % 100}"
+
+
+def test_links_are_shaped_and_down_removes_everything():
+    spec = ClusterSpec(2, parse_rate("100mbit"), _name())
+    with EmulatedCluster(spec) as cluster:
+        assert list_clusters()[spec.name].spec == spec
+        assert len(_ours(f"plm-{spec.name}-")) == 3  # two nodes and the bridge
+        mbps = link_throughput(cluster, 8 << 20)
+        assert 0.85 * 12.5 <= mbps <= 1.02 * 12.5  # 100 Mbit/s = 12.5 MB/s, less TCP/IP headers
+    assert _ours(f"plm-{spec.name}-") == []
+
+
+def test_an_error_inside_the_cluster_still_brings_it_down():
+    spec = ClusterSpec(3, parse_rate("1gbit"), _name())
+    with pytest.raises(RuntimeError, match="inside"), EmulatedCluster(spec):
+        assert len(_ours(f"plm-{spec.name}-")) == 4
+        raise RuntimeError("failure inside")
+    assert _ours(f"plm-{spec.name}-") == []
+
+
+def test_cli_up_status_down(capsys):
+    name = _name()
+    try:
+        assert main(["cluster", "up", "--nodes", "2", "--bandwidth", "1gbit", "--name", name]) == 0
+        assert main(["cluster", "status"]) == 0
+        assert f"{name}: 2 nodes, 1gbit links" in capsys.readouterr().out
+        assert main(["cluster", "up", "--nodes", "2", "--name", name]) == 2
+        assert "already up" in capsys.readouterr().err
+    finally:
+        assert main(["cluster", "down", "--name", name]) == 0
+    assert _ours(f"plm-{name}-") == []
+    assert main(["cluster", "down", "--name", name]) == 2  # no longer up
+    assert main(["cluster", "up", "--latency", "5ms", "--name", name]) == 2
+    assert "netem" in capsys.readouterr().err
+    assert _ours(f"plm-{name}-") == []
+
+
+def test_without_root_it_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-m", "paraloom", "cluster", "up", "--nodes", "2",
+                           "--name", _name()], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "paraloom: error: the emulated cluster needs root or CAP_NET_ADMIN (network namespaces); "
+        "run as root"]
+
+
+def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path):
+    before = set(_ours("plm-"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "paraloom", "train", "--emulate", "2x1gbit", "--set", "optim.max_steps=4",
+         "--set", "run.log_every=2", "--set", "comm.algorithm=ring", "--set", "run.name=emu",
+         "--set", f"run.out_dir={tmp_path}"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "emu" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["comm_bytes_per_step"] > 0
+    assert set(_ours("plm-")) == before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig):
+    before = set(_ours("plm-"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paraloom", "train", "--emulate", "2x1gbit", "--set", "optim.epochs=500",
+         "--set", f"run.out_dir={tmp_path}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(set(_ours("plm-")) - before) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(set(_ours("plm-")) - before) == 3
+        time.sleep(3)  # workers are starting inside the namespaces
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # Ctrl-C reaches the whole foreground group
+        else:
+            os.kill(proc.pid, sig)  # a plain kill reaches paraloom alone
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert set(_ours("plm-")) == before
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left in the session: {left}"
+
+
+def test_collectives_benchmark_quick(tmp_path):
+    out = tmp_path / "c.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collectives.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["summary"]["link_MBps"] > 50
+    assert set(report["summary"]["busbw_frac_16MB"]) == {
+        "native", "ring", "halving_doubling", "tree", "one_to_all"}
+    assert all(r["busbw_MBps"] > 0 for r in report["results"])
