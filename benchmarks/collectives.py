@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = parse_sizes("4KB..64KB" if args.quick else "1KB..64MB")
     kwargs = {"sizes": sizes, "algorithms": list(ALL_REDUCE_NAMES),
-              "max_repeats": 3 if args.quick else 20, "budget_s": 0.5 if args.quick else 3.0}
+              "min_repeats": 3 if args.quick else 5, "max_repeats": 3 if args.quick else 20,
+              "budget_s": 0.5 if args.quick else 3.0}
     if args.loopback:
         report = run_collectives(nproc=2 if args.quick else 4, **kwargs)
     else:

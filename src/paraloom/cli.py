@@ -104,7 +104,7 @@ def _train_on(cfg, nodes, world: int, started_at: float):
 
     torchrun_on_cluster(nodes, ["paraloom.worker", str(run_dir / "config.yaml"), "--run-dir",
                                 str(run_dir), "--started-at", repr(started_at)],
-                        log_dir=run_dir, nproc_per_node=cfg.parallel.nproc)
+                        log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc)
     return json.loads((run_dir / "summary.json").read_text()), run_dir
 
 
@@ -116,7 +116,7 @@ app.add_typer(cluster_app, name="cluster")
 @cluster_app.command("up")
 def cluster_up(
     nodes: Annotated[int, typer.Option(help="number of nodes (network namespaces)")] = 4,
-    bandwidth: Annotated[str, typer.Option(help="each node's link, each direction: 100mbit, 1gbit, ...")] = "1gbit",
+    bandwidth: Annotated[str, typer.Option(help="each node's link, each way: 100mbit, 1gbit")] = "1gbit",
     name: Annotated[str, typer.Option(help="cluster name (1-8 lowercase letters or digits)")] = "default",
     latency: Annotated[str | None, typer.Option(help="not available here: netem is missing")] = None,
 ) -> None:
@@ -167,8 +167,8 @@ def bench_collectives(
     algorithms: Annotated[str, typer.Option(help="comma-separated all-reduce algorithms")] =
         "native,ring,halving_doubling,tree,one_to_all",
     cluster: Annotated[str | None, typer.Option(help="run on the emulated cluster NAME")] = None,
-    emulate: Annotated[str | None, typer.Option(metavar="NODESxRATE",
-                                                help="bring up a cluster for the benchmark, e.g. 4x1gbit")] = None,
+    emulate: Annotated[str | None, typer.Option(
+        metavar="NODESxRATE", help="bring up a cluster for the benchmark, e.g. 4x1gbit")] = None,
     nproc: Annotated[int, typer.Option(help="local workers when on loopback")] = 4,
     max_repeats: Annotated[int, typer.Option(help="timed repeats per point at most")] = 20,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,

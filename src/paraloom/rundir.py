@@ -9,6 +9,8 @@ from pathlib import Path
 from paraloom.config import Config, dump_config
 from paraloom.errors import UserError
 
+PREPARED = {"config.yaml", "nodes"}  # what a launcher writes before the workers start
+
 
 def default_name(cfg: Config, world: int) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -18,7 +20,7 @@ def default_name(cfg: Config, world: int) -> str:
 def new_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = None) -> Path:
     """Create the run directory and write `config.yaml` (with the final run name) into it.
 
-    A directory that a launcher prepared (holding only config.yaml) is taken as it is.
+    A directory that a launcher prepared (holding only config.yaml and node logs) is taken as it is.
     """
     if path is None:
         base = Path(cfg.run.out_dir)
@@ -28,7 +30,7 @@ def new_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = No
         while cfg.run.name is None and path.exists():
             path = base / f"{name}-{suffix}"
             suffix += 1
-    if path.exists() and any(p.name != "config.yaml" for p in path.iterdir()):
+    if path.exists() and any(p.name not in PREPARED for p in path.iterdir()):
         raise UserError(f"run directory {str(path)!r} already holds a run; "
                         "choose another run.name (or remove it)")
     if (path / "config.yaml").exists():

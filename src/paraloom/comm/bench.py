@@ -112,7 +112,7 @@ def summarize(rows: list[dict[str, Any]], link_mbps: float) -> dict[str, Any]:
 
 
 def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, nproc: int = 4,
-                    warmup: int = 1, min_repeats: int = 3, max_repeats: int = 20,
+                    warmup: int = 1, min_repeats: int = 5, max_repeats: int = 20,
                     budget_s: float = 3.0, timeout_s: float = 600.0,
                     progress: bool = True) -> dict[str, Any]:
     """Measure the link, then every algorithm at every size; returns the JSON-ready report."""
