@@ -32,7 +32,7 @@ def test_links_are_shaped_and_down_removes_everything():
     with EmulatedCluster(spec) as cluster:
         assert list_clusters()[spec.name].spec == spec
         assert len(_ours(f"plm-{spec.name}-")) == 3  # two nodes and the bridge
-        mbps = link_throughput(cluster, 8 << 20)
+        mbps = max(link_throughput(cluster, 4 << 20))
         assert 0.85 * 12.5 <= mbps <= 1.02 * 12.5  # 100 Mbit/s = 12.5 MB/s, less TCP/IP headers
     assert _ours(f"plm-{spec.name}-") == []
 
@@ -57,6 +57,9 @@ def test_cli_up_status_down(capsys):
         assert main(["cluster", "down", "--name", name]) == 0
     assert _ours(f"plm-{name}-") == []
     assert main(["cluster", "down", "--name", name]) == 2  # no longer up
+    assert main(["train", "--cluster", name]) == 2
+    assert "no emulated cluster" in capsys.readouterr().err
+    assert main(["train", "--cluster", name, "--emulate", "2x1gbit"]) == 2
     assert main(["cluster", "up", "--latency", "5ms", "--name", name]) == 2
     assert "netem" in capsys.readouterr().err
     assert _ours(f"plm-{name}-") == []
@@ -123,3 +126,16 @@ def test_collectives_benchmark_quick(tmp_path):
     assert set(report["summary"]["busbw_frac_16MB"]) == {
         "native", "ring", "halving_doubling", "tree", "one_to_all"}
     assert all(r["busbw_MBps"] > 0 for r in report["results"])
+
+
+def test_collective_traffic_really_crosses_the_shaped_links():
+    from paraloom.comm.bench import run_collectives
+
+    spec = ClusterSpec(2, parse_rate("100mbit"), _name())
+    with EmulatedCluster(spec) as cluster:
+        report = run_collectives(sizes=[4 << 20], algorithms=["native", "ring"], cluster=cluster,
+                                 min_repeats=3, max_repeats=3, budget_s=0.1, progress=False)
+    link = report["link_MBps"]
+    assert 10.0 <= link <= 12.8
+    for row in report["results"]:  # over loopback this would be ~100x faster
+        assert 0.6 * link <= row["busbw_MBps"] <= 1.1 * link, row

@@ -62,12 +62,12 @@ def test_all_algorithms_on_eight_ranks():
         assert bad == []
 
 
-def _large(rank, world):
+def _large(rank, world, dtype, op):
     bad = []
     for algorithm in ALL_REDUCE_NAMES:
-        x = _input(rank, 16 * 2**20, torch.float32, salt=7)
-        ref = _reference(x, dist.ReduceOp.SUM, world)
-        all_reduce(x, algorithm=algorithm)
+        x = _input(rank, 16 * 2**20, dtype, salt=7)
+        ref = _reference(x, op, world)
+        all_reduce(x, algorithm=algorithm, op=op)
         if not torch.equal(x, ref):
             bad.append(algorithm)
     return bad
@@ -75,7 +75,9 @@ def _large(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, pytest.param(8, marks=pytest.mark.slow)])
 def test_sixteen_million_elements(world):
-    for bad in run_workers(_large, world, timeout=180):
+    # every dtype and both ops meet 16M elements somewhere across the world sizes
+    dtype, op = DTYPES[world % len(DTYPES)], OPS[world % len(OPS)]
+    for bad in run_workers(_large, world, dtype, op, timeout=180):
         assert bad == []
 
 

@@ -72,8 +72,12 @@ def _wait_all(procs: list[subprocess.Popen], log_dir: Path) -> None:
         time.sleep(0.1)
 
 
-def link_throughput(cluster: EmulatedCluster | None, nbytes: int, port: int = 5201) -> float:
-    """MB/s of one TCP stream from node 0 to node 1 (or over loopback when `cluster` is None)."""
+def link_throughput(cluster: EmulatedCluster | None, nbytes: int, *, repeats: int = 3) -> list[float]:
+    """MB/s of one TCP stream from node 0 to node 1 (over loopback when `cluster` is None), per repeat."""
+    return [_one_stream(cluster, nbytes, 5201 + i) for i in range(repeats)]
+
+
+def _one_stream(cluster: EmulatedCluster | None, nbytes: int, port: int) -> float:
     host = cluster.address(1) if cluster else "127.0.0.1"
     prefix = (lambda node: cluster.exec_prefix(node)) if cluster else (lambda node: [])
     base = [sys.executable, "-m", "paraloom.cluster.linktest"]
