@@ -103,12 +103,18 @@ class ParallelConfig:
 class CommConfig:
     backend: str = _choices("auto", "gloo", "nccl", default="auto")  # auto: nccl on cuda else gloo
     algorithm: str = _choices(*ALL_REDUCE_NAMES, default="native")  # gradient all-reduce (see comm)
+    engine: str = _choices("bucketed", "naive", default="bucketed")  # naive: one all-reduce per tensor
+    scheduler: str = _choices("wait_free", "fifo", default="wait_free")  # when buckets are launched
+    bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
+    first_bucket_mb: float = 1.0  # the first bucket backward fills is small, to start early
     timeout_s: float = 300.0  # collective timeout before a rank gives up
     interface: str | None = None  # network interface for gloo; None: loopback for local runs
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise UserError(f"comm.timeout_s={self.timeout_s} must be positive")
+        if self.bucket_mb <= 0 or self.first_bucket_mb <= 0:
+            raise UserError("comm.bucket_mb and comm.first_bucket_mb must be positive")
 
 
 @dataclass(kw_only=True)

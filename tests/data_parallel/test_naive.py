@@ -1,59 +1,24 @@
 """DataParallelNaive equals one process on the full batch: losses, gradients and parameters."""
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from distributed import run_workers
+from dp_reference import reference, setup, steps
 
-from paraloom.config import OptimConfig
-from paraloom.data import ShardedBatches, load_dataset
 from paraloom.data_parallel import DataParallelNaive
-from paraloom.models import build_model
-from paraloom.train.trainer import batch_loss, make_optimizer
-
-BATCH, STEPS = 24, 5
-
-
-def _setup(model_name, opt_name):
-    split = load_dataset("digits")
-    torch.manual_seed(0)
-    model = build_model(model_name, split.input_shape, split.n_classes, hidden=32, channels=4)
-    optimizer = make_optimizer(OptimConfig(name=opt_name, lr=0.05 if opt_name == "sgd" else 0.01),
-                               model.parameters())
-    return split, model, optimizer
-
-
-def _steps(n, rank=0, world=1):
-    shards = ShardedBatches(n, BATCH, rank=rank, world=world, seed=0)
-    epochs = (shards.epoch(e) for e in itertools.count())
-    return itertools.islice(itertools.chain.from_iterable(epochs), STEPS)
-
-
-def _reference(model_name, opt_name, n):
-    split, model, optimizer = _setup(model_name, opt_name)
-    losses, grads = [], None
-    for idx, _count in _steps(n):
-        loss = F.cross_entropy(model(split.x_train[idx]), split.y_train[idx])
-        optimizer.zero_grad()
-        loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, grads, [p.detach().clone() for p in model.parameters()]
+from paraloom.train.trainer import batch_loss
 
 
 def _data_parallel(rank, world, model_name, opt_name, n, algorithm="native"):
-    split, model, optimizer = _setup(model_name, opt_name)
+    split, model, optimizer = setup(model_name, opt_name)
     if rank:  # replicas start apart on purpose: the engine must broadcast rank 0's state
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
     engine = DataParallelNaive(model, algorithm=algorithm)
     losses, grads = [], None
-    for idx, count in _steps(n, rank, world):
+    for idx, count in steps(n, rank, world):
         loss, loss_sum = batch_loss(engine, split.x_train[idx], split.y_train[idx],
                                     global_count=count, dp_world_size=world)
         optimizer.zero_grad()
@@ -71,7 +36,7 @@ def _data_parallel(rank, world, model_name, opt_name, n, algorithm="native"):
 @pytest.mark.parametrize(("model_name", "opt_name", "n"),
                          [("cnn", "sgd", 100), ("mlp", "adam", 100), ("mlp", "sgd", 98)])
 def test_equals_one_process_on_the_full_batch(world, model_name, opt_name, n):
-    ref_losses, ref_grads, ref_params = _reference(model_name, opt_name, n)
+    ref_losses, ref_grads, ref_params = reference(model_name, opt_name, n)
     for losses, grads, params in run_workers(_data_parallel, world, model_name, opt_name, n):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         torch.testing.assert_close(grads, ref_grads)
@@ -80,7 +45,7 @@ def test_equals_one_process_on_the_full_batch(world, model_name, opt_name, n):
 
 @pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "tree", "one_to_all"])
 def test_every_all_reduce_algorithm_gives_the_same_training(algorithm):
-    ref_losses, ref_grads, ref_params = _reference("mlp", "sgd", 100)
+    ref_losses, ref_grads, ref_params = reference("mlp", "sgd", 100)
     for losses, grads, params in run_workers(_data_parallel, 3, "mlp", "sgd", 100, algorithm):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         torch.testing.assert_close(grads, ref_grads)

@@ -1,5 +1,6 @@
-"""Data parallelism: the naive all-reduce reference (engines with buckets and overlap build on it)."""
+"""Data parallelism: the bucketed, overlapped engine and the naive all-reduce reference."""
 
+from paraloom.data_parallel.engine import DataParallel
 from paraloom.data_parallel.naive import DataParallelNaive
 
-__all__ = ["DataParallelNaive"]
+__all__ = ["DataParallel", "DataParallelNaive"]

@@ -14,13 +14,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraloom.comm.collectives import CommStats
-from paraloom.config import Config, OptimConfig
+from paraloom.config import CommConfig, Config, OptimConfig
 from paraloom.data import ShardedBatches, Split, load_dataset
-from paraloom.data_parallel import DataParallelNaive
+from paraloom.data_parallel import DataParallel, DataParallelNaive
 from paraloom.models import build_model
 from paraloom.topology import RankGroups, Topology
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
+
+
+def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups,
+                stats: CommStats) -> DataParallel | DataParallelNaive:
+    if comm.engine == "naive":
+        return DataParallelNaive(model, group=groups.dp_group, algorithm=comm.algorithm, stats=stats)
+    return DataParallel(model, group=groups.dp_group, bucket_mb=comm.bucket_mb,
+                        first_bucket_mb=comm.first_bucket_mb, scheduler=comm.scheduler,
+                        algorithm=comm.algorithm, stats=stats)
 
 
 def make_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
@@ -71,7 +80,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     model = build_model(model_kwargs.pop("name"), split.input_shape, split.n_classes,
                         **model_kwargs).to(device)
     stats = CommStats()
-    engine = DataParallelNaive(model, group=groups.dp_group, algorithm=cfg.comm.algorithm, stats=stats)
+    engine = make_engine(model, cfg.comm, groups, stats)
     stats.take()  # the initial broadcast is not a training step's traffic
     optimizer = make_optimizer(cfg.optim, model.parameters())
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank,
@@ -95,7 +104,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                 x, y = split.x_train[local_idx.to(device)], split.y_train[local_idx.to(device)]
                 loss, loss_sum = batch_loss(engine, x, y, global_count=global_count,
                                             dp_world_size=groups.dp_world_size)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=False)  # keep gradients as bucket views
                 loss.backward()
                 engine.sync_gradients()
                 optimizer.step()
@@ -123,6 +132,8 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         train_seconds = time.perf_counter() - loop_start
         accuracy = evaluate(model, split, groups)
     finally:
+        if isinstance(engine, DataParallel):
+            engine.close()
         progress.close()
         if logger is not None:
             logger.close()
