@@ -139,3 +139,15 @@ def test_collective_traffic_really_crosses_the_shaped_links():
     assert 10.0 <= link <= 12.8
     for row in report["results"]:  # over loopback this would be ~100x faster
         assert 0.6 * link <= row["busbw_MBps"] <= 1.1 * link, row
+
+
+def test_dp_schedulers_benchmark_quick(tmp_path):
+    out = tmp_path / "dp.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dp_schedulers.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["summary"]["ratio_waitfree_vs_ddp"] > 0
+    assert report["summary"]["ratio_waitfree_vs_ddp_loopback"] > 0
+    for case in report["cases"].values():
+        assert set(case["seconds"]) == {"compute", "allreduce", "ddp", "ddp_view", "fifo", "wait_free"}
