@@ -109,8 +109,8 @@ def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, bat
     from paraloom.launch import elastic_run
 
     with tempfile.TemporaryDirectory(prefix="paraloom-dpbench-") as tmp:
-        options = {"hidden": hidden, "depth": depth, "batch": batch, "steps": steps, "warmup": warmup, "rounds": rounds,
-                   "bucket_mb": bucket_mb, "variants": list(variants),
+        options = {"hidden": hidden, "depth": depth, "batch": batch, "steps": steps, "warmup": warmup,
+                   "rounds": rounds, "bucket_mb": bucket_mb, "variants": list(variants),
                    "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo"}
         if cluster is not None:
             torchrun_on_cluster(cluster, ["paraloom.data_parallel.bench", "--options", json.dumps(options)],
