@@ -124,3 +124,20 @@ def test_tied_weights_unused_parameters_and_no_sync(scheduler, accumulate):
     for params, spare_grad in run_workers(_tied, world, scheduler, accumulate):
         torch.testing.assert_close(params, expected)
         assert torch.count_nonzero(spare_grad) == 0  # never used: reduced as zeros
+
+
+def test_a_second_backward_without_no_sync_is_an_error():
+    def body(rank, world):
+        model = torch.nn.Linear(3, 2)
+        engine = DataParallel(model)
+        engine(torch.randn(2, 3)).sum().backward()
+        try:
+            engine(torch.randn(2, 3)).sum().backward()
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            engine.close()
+        return "no error"
+
+    for message in run_workers(body, 2):
+        assert "no_sync" in message

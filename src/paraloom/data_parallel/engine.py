@@ -76,8 +76,11 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot[p]
         self.copies += bucket.bind(slot)
-        if not self._sync or slot in bucket.seen:
+        if not self._sync:
             return
+        if slot in bucket.seen:
+            raise RuntimeError("a second backward ran before sync_gradients(); accumulate "
+                               "micro-batches inside `with engine.no_sync():`")
         bucket.seen.add(slot)
         bucket.pending -= 1
         if bucket.pending == 0:
