@@ -51,6 +51,8 @@ def no_namespace_survives():
     if NETNS_UNUSABLE:
         return
     left = sorted(ns for ns in _namespaces() - before if ns.startswith("plm-"))
-    for ns in left:
+    for ns in left:  # stop what still runs there (it would slow every later test), then remove
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-9", *pids], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     assert not left, f"tests left network namespaces behind: {left}"

@@ -88,8 +88,9 @@ def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path):
     assert set(_ours("plm-")) == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig):
+@pytest.mark.parametrize(("sig", "delay"),
+                         [(signal.SIGINT, 1.0), (signal.SIGINT, 6.0), (signal.SIGTERM, 4.0)])
+def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig, delay):
     before = set(_ours("plm-"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "paraloom", "train", "--emulate", "2x1gbit", "--set", "optim.epochs=500",
@@ -100,7 +101,7 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig):
         while len(set(_ours("plm-")) - before) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(set(_ours("plm-")) - before) == 3
-        time.sleep(3)  # workers are starting inside the namespaces
+        time.sleep(delay)  # torchrun / the workers are starting inside the namespaces
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C reaches the whole foreground group
         else:
@@ -109,6 +110,9 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            for ns in set(_ours("plm-")) - before:  # do not let a failure leak running workers
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+                subprocess.run(["kill", "-9", *pids.split()], capture_output=True)
     assert proc.returncode != 0
     assert set(_ours("plm-")) == before
     time.sleep(0.5)

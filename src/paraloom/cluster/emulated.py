@@ -144,19 +144,25 @@ class EmulatedCluster:
         _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
             "rate", f"{rate}bit", "burst", str(burst), "latency", "20ms")
 
-    def down(self) -> None:
-        """Stop every process inside the cluster and delete its namespaces (idempotent)."""
-        mine = [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}-{self.name}-")]
+    def stop_processes(self, grace_s: float = 3.0) -> None:
+        """SIGTERM every process inside the cluster's namespaces; SIGKILL what outlives `grace_s`."""
         pids = []
-        for ns in mine:
+        for ns in self._own_namespaces():
             pids += [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
         _signal_all(pids, signal.SIGTERM)
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + grace_s
         while pids and time.monotonic() < deadline:
             pids = [p for p in pids if _alive(p)]
             time.sleep(0.05)
         _signal_all(pids, signal.SIGKILL)
-        for ns in mine:
+
+    def _own_namespaces(self) -> list[str]:
+        return [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}-{self.name}-")]
+
+    def down(self) -> None:
+        """Stop every process inside the cluster and delete its namespaces (idempotent)."""
+        self.stop_processes()
+        for ns in self._own_namespaces():
             _ip("netns", "del", ns, check=False)
 
     def describe(self) -> str:

@@ -22,7 +22,8 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
 
     Rendezvous is on node 0's address; gloo binds to each node's eth0, so every byte between
     workers crosses the shaped links. Node 0's output goes to this terminal, the others' to
-    `log_dir/node<i>.log`. Returns when all nodes finish; the first failure stops the rest.
+    `log_dir/node<i>.log`. Returns when all nodes finish; a failure or an interrupt stops every
+    process on the cluster.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0",
@@ -44,16 +45,22 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
             stderr = subprocess.STDOUT if log else None
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=stderr))
         _wait_all(procs, log_dir)
-    finally:
+    except BaseException:
+        # failed or interrupted: nothing of this run may keep running, whatever state torchrun
+        # is in (its workers live in sessions of their own, out of reach of our process group)
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
+        deadline = time.monotonic() + 5.0
         for proc in procs:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        cluster.stop_processes()
+        raise
+    finally:
         for log in logs:
             if log is not None:
                 log.close()
