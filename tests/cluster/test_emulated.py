@@ -95,7 +95,10 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig, delay):
     proc = subprocess.Popen(
         [sys.executable, "-m", "paraloom", "train", "--emulate", "2x1gbit", "--set", "optim.epochs=500",
          "--set", f"run.out_dir={tmp_path}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True)
+        start_new_session=True,
+        # a background shell (CI may be one) starts us with SIGINT ignored, and children inherit
+        # that; a terminal's Ctrl-C reaches a process whose SIGINT is at its default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while len(set(_ours("plm-")) - before) < 3 and time.monotonic() < deadline:
