@@ -41,3 +41,6 @@ class DataParallelNaive(nn.Module):
                 p.grad = torch.zeros_like(p)
             all_reduce(p.grad, group=self.group, op=dist.ReduceOp.AVG, algorithm=self.algorithm,
                        stats=self.stats)
+
+    def close(self) -> None:
+        """Nothing to release; here so every engine can be closed the same way."""

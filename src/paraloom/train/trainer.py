@@ -101,7 +101,8 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
             for local_idx, global_count in batches.epoch(epoch):
                 if step == total_steps:
                     break
-                x, y = split.x_train[local_idx.to(device)], split.y_train[local_idx.to(device)]
+                local_idx = local_idx.to(device)
+                x, y = split.x_train[local_idx], split.y_train[local_idx]
                 loss, loss_sum = batch_loss(engine, x, y, global_count=global_count,
                                             dp_world_size=groups.dp_world_size)
                 optimizer.zero_grad(set_to_none=False)  # keep gradients as bucket views
@@ -132,8 +133,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         train_seconds = time.perf_counter() - loop_start
         accuracy = evaluate(model, split, groups)
     finally:
-        if isinstance(engine, DataParallel):
-            engine.close()
+        engine.close()
         progress.close()
         if logger is not None:
             logger.close()
