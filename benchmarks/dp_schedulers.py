@@ -1,12 +1,17 @@
-"""Data-parallel step time: paraloom's engine (fifo, wait_free) against torch DDP in the same run.
+"""Data-parallel step time: paraloom's schedulers and sync modes against torch DDP in the same run.
 
-    python benchmarks/dp_schedulers.py [--quick] --json OUT
+    python benchmarks/dp_schedulers.py [--quick] [--trace DIR] --json OUT
 
-Cases: 4 workers on an emulated 1 Gbit/s cluster (needs root), and 2 workers on loopback.
-Model: an MLP on digits with 8.5M parameters (hidden 2048, 3 hidden layers), global batch 64,
-SGD with momentum, 25 MB buckets for everyone; DDP both as is and with gradient_as_bucket_view.
-Still to come with the rest of the engine: priority, one_step_delay and local_sgd rows and the
-balanced-bandwidth case.
+Model: a layered MLP on digits, 8.47M parameters (9 hidden layers of 1024; 34 MB of fp32
+gradients), SGD with momentum, 25 MB buckets for DDP and paraloom alike. Variants: torch DDP
+(as is, and with gradient_as_bucket_view), paraloom fifo, wait_free, priority, one_step_delay
+and local_sgd (H = 4). Cases (the emulated ones need root):
+  (a) balanced: 2 workers on an emulated cluster whose bandwidth is chosen so that one
+      all-reduce of all gradients takes as long as a step's computation (global batch 512);
+      the bandwidth is calibrated in two probes: from the computation time and the gradient
+      bytes, then corrected by the all-reduce time measured at the first guess;
+  (b) 4 workers on an emulated 1 Gbit/s cluster (global batch 64);
+  (c) 2 workers on loopback (global batch 64).
 """
 
 from __future__ import annotations
@@ -18,38 +23,78 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from paraloom.cluster import EmulatedCluster, list_clusters, parse_emulate
-from paraloom.data_parallel.bench import run
+from paraloom.cluster import EmulatedCluster, list_clusters
+from paraloom.cluster.spec import ClusterSpec, format_rate
+from paraloom.data_parallel.bench import VARIANTS, run
+
+MODEL = {"hidden": 1024, "depth": 9}
+BALANCED_BATCH = 512
+
+
+def _cluster(nodes: int, rate_bits: float) -> EmulatedCluster:
+    name = next(f"dp{i}" for i in range(100) if f"dp{i}" not in list_clusters())
+    rate = max(1, round(rate_bits / 10**6)) * 10**6  # whole Mbit/s
+    return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=rate, name=name))
+
+
+def balanced_case(size: dict, trace: str | None) -> dict:
+    """Case (a): find the bandwidth where all-reduce time ~ compute time, then run every variant."""
+    probe = {**size, "variants": (), "batch": BALANCED_BATCH}
+    local = run(nproc=2, **probe)
+    grad_bytes = 4 * local["params"]  # a 2-worker all-reduce puts about this much on each link
+    rate = grad_bytes * 8 / local["seconds"]["compute"]
+    with _cluster(2, rate) as cluster:
+        first = run(cluster=cluster, **probe)
+    rate *= first["seconds"]["allreduce"] / first["seconds"]["compute"]
+    with _cluster(2, rate) as cluster:
+        out = run(cluster=cluster, **{**size, "batch": BALANCED_BATCH},
+                  trace_dir=f"{trace}/balanced" if trace else None)
+    out["bandwidth_bits"] = cluster.spec.rate_bits
+    out["calibration"] = {"loopback_compute_s": local["seconds"]["compute"],
+                          "first_guess_bits": int(grad_bytes * 8 / local["seconds"]["compute"]),
+                          "first_guess_compute_s": first["seconds"]["compute"],
+                          "first_guess_allreduce_s": first["seconds"]["allreduce"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps: a smoke run")
+    parser.add_argument("--trace", metavar="DIR", help="write Chrome traces of paraloom's variants here")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
-    size = {"hidden": 256, "depth": 2, "steps": 3, "warmup": 1, "rounds": 1} if args.quick else {}
-    cases = {}
-    name = next(f"dp{i}" for i in range(100) if f"dp{i}" not in list_clusters())
-    emulate = "2x1gbit" if args.quick else "4x1gbit"
-    with EmulatedCluster(parse_emulate(emulate, name=name)) as cluster:
-        cases[f"emulated_{emulate}"] = run(cluster=cluster, **size)
-    cases["loopback_2"] = run(nproc=2, **size)
+    size = {**MODEL, "rounds": 3}
+    if args.quick:
+        size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1}
+    cases = {"balanced_2": balanced_case(size, args.trace)}
+    nodes = 2 if args.quick else 4
+    with _cluster(nodes, 10**9) as cluster:
+        cases[f"emulated_{nodes}x1gbit"] = run(cluster=cluster, **size,
+                                               trace_dir=f"{args.trace}/{nodes}x1gbit" if args.trace else None)
+    cases["loopback_2"] = run(nproc=2, **size, trace_dir=f"{args.trace}/loopback" if args.trace else None)
+    balanced = cases["balanced_2"]["ratio_vs_wait_free"]
     report = {
+        "model": {**MODEL, "params": cases["loopback_2"]["params"]} if not args.quick else size,
         "cases": cases,
         "summary": {
-            "ratio_waitfree_vs_ddp": cases[f"emulated_{emulate}"]["ratio_vs_ddp"]["wait_free"],
+            "ratio_waitfree_vs_ddp": cases[f"emulated_{nodes}x1gbit"]["ratio_vs_ddp"]["wait_free"],
+            "ratio_priority_vs_waitfree": balanced["priority"],
+            "ratio_odsgd_vs_waitfree": balanced["one_step_delay"],
             "ratio_waitfree_vs_ddp_loopback": cases["loopback_2"]["ratio_vs_ddp"]["wait_free"],
+            "balanced_bandwidth": format_rate(cases["balanced_2"]["bandwidth_bits"]),
+            "balanced_bandwidth_bits": cases["balanced_2"]["bandwidth_bits"],
         },
     }
-    table = Table(title="median step time, slowest rank (ms); ratio to DDP")
-    for column in ("case", "compute", "all-reduce", "bound", "ddp", "ddp_view", "fifo", "wait_free"):
+    table = Table(title="median step time, slowest rank (ms); (ratio to DDP / to wait_free)")
+    for column in ("case", "compute", "all-reduce", "bound", *VARIANTS):
         table.add_column(column, justify="right")
     for case, out in cases.items():
-        s, r = out["seconds"], out["ratio_vs_ddp"]
-        table.add_row(case, f"{s['compute'] * 1e3:.0f}", f"{s['allreduce'] * 1e3:.0f}",
+        s, r, w = out["seconds"], out["ratio_vs_ddp"], out["ratio_vs_wait_free"]
+        label = case if case != "balanced_2" else f"balanced_2 @ {format_rate(out['bandwidth_bits'])}"
+        table.add_row(label, f"{s['compute'] * 1e3:.0f}", f"{s['allreduce'] * 1e3:.0f}",
                       f"{out['bound'] * 1e3:.0f}",
-                      *[f"{s[v] * 1e3:.0f} ({r[v]:.2f})" for v in ("ddp", "ddp_view", "fifo", "wait_free")])
-    Console(width=140).print(table)
+                      *[f"{s[v] * 1e3:.0f} ({r[v]:.2f}/{w[v]:.2f})" for v in VARIANTS])
+    Console(width=200).print(table)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     return 0

@@ -45,6 +45,8 @@ def train(
         help="run on the emulated cluster NAME (`paraloom cluster up`), one worker per node")] = None,
     emulate: Annotated[str | None, typer.Option(
         metavar="NODESxRATE", help="bring up an emulated cluster for this run, e.g. 4x1gbit")] = None,
+    trace: Annotated[bool, typer.Option(
+        "--trace", help="write a Chrome trace per rank (run.trace=true); see `paraloom report`")] = False,
 ) -> None:
     """Train a model with local worker processes; writes runs/<name>/."""
     started_at = time.time()
@@ -55,6 +57,8 @@ def train(
         overrides.append(f"parallel.nproc={nproc}")
     elif cluster or emulate:
         overrides.append("parallel.nproc=1")
+    if trace:
+        overrides.append("run.trace=true")
     cfg = load_config(config, overrides)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
@@ -106,6 +110,37 @@ def _train_on(cfg, nodes, world: int, started_at: float):
                                 str(run_dir), "--started-at", repr(started_at)],
                         log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc)
     return json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(
+        metavar="RUN_DIR", help="run directory written by `paraloom train --trace`")],
+    out: Annotated[Path | None, typer.Option(
+        metavar="PNG", help="timeline image (default: RUN_DIR/timeline.png)")] = None,
+) -> None:
+    """Draw a run's traced timeline (and its metrics, when logged) as PNG images."""
+    if not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "does not exist"
+        raise UserError(f"run directory {str(run_dir)!r} {what}; give runs/<name> from `paraloom train`")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{str(run_dir)!r} is not a run directory (no config.yaml); "
+                        "give runs/<name> from `paraloom train`")
+    traces = sorted((run_dir / "trace").glob("rank*.json"), key=_rank_of)
+    if not traces:
+        raise UserError(f"no trace in {run_dir}: train with --trace")
+    if out is not None and not out.parent.is_dir():
+        raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
+    from paraloom.trace.plots import render_metrics, render_timeline
+
+    print(render_timeline(traces, out or run_dir / "timeline.png", title=run_dir.name))
+    if (run_dir / "metrics.jsonl").is_file():
+        print(render_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png", title=run_dir.name))
+
+
+def _rank_of(path: Path) -> tuple[int, str]:
+    digits = path.stem.removeprefix("rank")
+    return (int(digits) if digits.isdigit() else -1, path.name)
 
 
 cluster_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,

@@ -31,9 +31,12 @@ class RunConfig:
     log_every: int = 10  # steps between metrics.jsonl lines
     tensorboard: bool = False  # also write TensorBoard scalars (needs tensorboard installed)
     save_model: bool = True  # write the final model state to model.pt
+    trace: bool = False  # write a Chrome trace per rank (runs/<name>/trace/rank<r>.json)
+    trace_steps: int = 5  # steps traced, starting at the second step
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
+        _positive(self, "trace_steps")
         if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
             raise UserError(f"run.name={self.name!r} must be a plain directory name")
 
@@ -104,17 +107,29 @@ class CommConfig:
     backend: str = _choices("auto", "gloo", "nccl", default="auto")  # auto: nccl on cuda else gloo
     algorithm: str = _choices(*ALL_REDUCE_NAMES, default="native")  # gradient all-reduce (see comm)
     engine: str = _choices("bucketed", "naive", default="bucketed")  # naive: one all-reduce per tensor
-    scheduler: str = _choices("wait_free", "fifo", default="wait_free")  # when buckets are launched
+    scheduler: str = _choices("wait_free", "fifo", "priority", default="wait_free")  # launch order/time
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     first_bucket_mb: float = 1.0  # the first bucket backward fills is small, to start early
+    partition_mb: float = 2.0  # priority: tensors are cut into (and small ones merged up to) this size
+    credit_mb: float = 8.0  # priority: bytes in flight at most when planning the launch order
+    sync: str = _choices("sync", "one_step_delay", "local_sgd", default="sync")  # gradient sync mode
+    local_steps: int = 4  # local_sgd: parameters are averaged every this many steps (H)
+    local_warmup: int = 0  # local_sgd: synchronous steps first (post-local SGD)
+    delay_lr: float | None = None  # one_step_delay: local compensation step size (None: optim.lr)
+    shard_optimizer: bool = False  # ZeRO-style: optimizer state and update sharded across ranks
     timeout_s: float = 300.0  # collective timeout before a rank gives up
     interface: str | None = None  # network interface for gloo; None: loopback for local runs
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise UserError(f"comm.timeout_s={self.timeout_s} must be positive")
-        if self.bucket_mb <= 0 or self.first_bucket_mb <= 0:
-            raise UserError("comm.bucket_mb and comm.first_bucket_mb must be positive")
+        if min(self.bucket_mb, self.first_bucket_mb, self.partition_mb) <= 0:
+            raise UserError("comm.bucket_mb, comm.first_bucket_mb and comm.partition_mb must be positive")
+        from paraloom.data_parallel.modes import check_mode
+
+        check_mode(sync=self.sync, scheduler=self.scheduler, shard_optimizer=self.shard_optimizer,
+                   algorithm=self.algorithm, local_steps=self.local_steps, local_warmup=self.local_warmup,
+                   credit_mb=self.credit_mb)
 
 
 @dataclass(kw_only=True)

@@ -154,7 +154,11 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["summary"]["ratio_waitfree_vs_ddp"] > 0
-    assert report["summary"]["ratio_waitfree_vs_ddp_loopback"] > 0
+    summary = report["summary"]
+    for key in ("ratio_waitfree_vs_ddp", "ratio_priority_vs_waitfree", "ratio_odsgd_vs_waitfree",
+                "ratio_waitfree_vs_ddp_loopback", "balanced_bandwidth_bits"):
+        assert summary[key] > 0, key
+    assert summary["balanced_bandwidth"].endswith("bit")
     for case in report["cases"].values():
-        assert set(case["seconds"]) == {"compute", "allreduce", "ddp", "ddp_view", "fifo", "wait_free"}
+        assert set(case["seconds"]) == {"compute", "allreduce", "ddp", "ddp_view", "fifo", "wait_free",
+                                        "priority", "one_step_delay", "local_sgd"}

@@ -1,9 +1,12 @@
 """Step-time benchmark of data-parallel engines against torch DDP, in one process group.
 
-Every variant trains the same model from the same seed on the same digits shards; per variant
-`warmup` steps are dropped and the median of the slowest rank's step time is kept. Alongside:
-the pure compute time of a step (no communication) and the time of one native all-reduce of
-all gradients, whose maximum is the physical bound for a synchronous step.
+Every variant trains the same model from the same seed on the same digits shards. Per variant
+and round, `warmup` steps run untimed, then `steps` steps run back to back (no barrier between
+them: one-step-delay SGD and the priority scheduler overlap a step's communication with the
+next step's computation) and end with `finish()`; the slowest rank's mean step time of the round
+is kept, and the median over rounds reported. Alongside: the compute time of a step (no
+communication) and the time of one native all-reduce of all gradients, whose maximum is the
+physical bound of a step that synchronizes every step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free")  # ddp_view: DDP with gradient_as_bucket_view
+VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "one_step_delay", "local_sgd")
+# ddp_view: DDP with gradient_as_bucket_view; the last three are paraloom's engine with
+# comm.scheduler=priority, comm.sync=one_step_delay, comm.sync=local_sgd (H = 4)
+ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
+                 "priority": {"scheduler": "priority"}, "one_step_delay": {"sync": "one_step_delay"},
+                 "local_sgd": {"sync": "local_sgd", "local_steps": 4}}
 
 
 def _model(hidden: int, depth: int):
@@ -45,54 +53,75 @@ def measure(options: dict[str, Any]) -> None:
     batches = ShardedBatches(len(split.y_train), options["batch"], rank=rank, world=world, seed=0)
     order = [idx for e in range(100) for idx, _ in batches.epoch(e)][: options["warmup"] + options["steps"]]
 
-    def timed(step_fn) -> list[float]:
-        times = []
-        for idx in order:
-            dist.barrier()
-            start = time.perf_counter()
+    def timed(step_fn, finish=None, timeline=None, trace_path=None) -> float:
+        """Mean step time of `steps` back-to-back steps after `warmup` untimed ones, slowest rank."""
+        for idx in order[: options["warmup"]]:
             step_fn(split.x_train[idx], split.y_train[idx])
-            times.append(time.perf_counter() - start)
-        slowest = torch.tensor(times[options["warmup"]:], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return slowest.tolist()
+        if finish is not None:
+            finish()
+        dist.barrier()
+        if timeline is not None:
+            timeline.active = True
+        start = time.perf_counter()
+        for idx in order[options["warmup"]:]:
+            step_fn(split.x_train[idx], split.y_train[idx])
+        if finish is not None:
+            finish()
+        seconds = torch.tensor((time.perf_counter() - start) / options["steps"], dtype=torch.float64)
+        if timeline is not None:
+            timeline.active = False
+            timeline.write(trace_path)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return float(seconds)
 
     samples: dict[str, list[float]] = {}
     torch.manual_seed(0)
-    model = _model(options["hidden"], options["depth"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    bare = _model(options["hidden"], options["depth"])
+    bare_optimizer = torch.optim.SGD(bare.parameters(), lr=0.01, momentum=0.9)
 
     def local_step(x, y):
-        optimizer.zero_grad(set_to_none=False)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        bare_optimizer.zero_grad(set_to_none=False)
+        F.cross_entropy(bare(x), y).backward()
+        bare_optimizer.step()
 
-    samples["compute"] = timed(local_step)
-    grads = torch.zeros(sum(p.numel() for p in model.parameters()))
-    samples["allreduce"] = timed(lambda x, y: dist.all_reduce(grads))
+    grads = torch.zeros(sum(p.numel() for p in bare.parameters()))
     n_params = grads.numel()
     # variants take turns, round after round, so a drifting machine favours none of them
-    for variant in [v for _ in range(options["rounds"]) for v in options["variants"]]:
-        torch.manual_seed(0)
-        model = _model(options["hidden"], options["depth"])
-        if variant.startswith("ddp"):
-            engine = DDP(model, bucket_cap_mb=options["bucket_mb"],
-                         gradient_as_bucket_view=variant == "ddp_view")
-            sync = None
-        else:
-            engine = DataParallel(model, scheduler=variant, bucket_mb=options["bucket_mb"])
-            sync = engine.sync_gradients
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for round_index in range(options["rounds"]):
+        samples.setdefault("compute", []).append(timed(local_step))
+        samples.setdefault("allreduce", []).append(timed(lambda x, y: dist.all_reduce(grads)))
+        for variant in options["variants"]:
+            torch.manual_seed(0)
+            model = _model(options["hidden"], options["depth"])
+            timeline = trace_path = None
+            if options.get("trace_dir") and round_index == options["rounds"] - 1 and \
+                    not variant.startswith("ddp"):
+                from paraloom.trace import Timeline, trace_modules
 
-        def step(x, y, engine=engine, sync=sync, optimizer=optimizer):
-            optimizer.zero_grad(set_to_none=False)
-            F.cross_entropy(engine(x), y).backward()
-            if sync is not None:
-                sync()
-            optimizer.step()
+                timeline = Timeline(rank)
+                trace_modules(model, timeline)
+                trace_path = Path(options["trace_dir"]) / variant / f"rank{rank}.json"
+            if variant.startswith("ddp"):
+                engine = DDP(model, bucket_cap_mb=options["bucket_mb"],
+                             gradient_as_bucket_view=variant == "ddp_view")
+            else:
+                kwargs = {**ENGINE_KWARGS[variant], **options.get("engine_options", {}).get(variant, {})}
+                engine = DataParallel(model, bucket_mb=options["bucket_mb"], timeline=timeline, **kwargs)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-        samples.setdefault(variant, []).extend(timed(step))
-        if not variant.startswith("ddp"):
-            engine.close()
+            def step(x, y, engine=engine, optimizer=optimizer, variant=variant):
+                if variant.startswith("ddp"):
+                    optimizer.zero_grad(set_to_none=False)
+                    F.cross_entropy(engine(x), y).backward()
+                    optimizer.step()
+                else:
+                    F.cross_entropy(engine(x), y).backward()
+                    engine.step(optimizer)
+
+            finish = None if variant.startswith("ddp") else engine.finish
+            samples.setdefault(variant, []).append(timed(step, finish, timeline, trace_path))
+            if not variant.startswith("ddp"):
+                engine.close()
     results = {name: statistics.median(times) for name, times in samples.items()}
     if rank == 0:
         Path(options["results_path"]).write_text(json.dumps(
@@ -102,7 +131,8 @@ def measure(options: dict[str, Any]) -> None:
 
 def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, batch: int = 64,
         steps: int = 10, warmup: int = 3, rounds: int = 2, bucket_mb: float = 25.0,
-        variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
+        variants: tuple[str, ...] = VARIANTS, trace_dir: str | None = None,
+        engine_options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     import tempfile
 
     from paraloom.cluster.launch import torchrun_on_cluster
@@ -111,7 +141,8 @@ def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, bat
     with tempfile.TemporaryDirectory(prefix="paraloom-dpbench-") as tmp:
         options = {"hidden": hidden, "depth": depth, "batch": batch, "steps": steps, "warmup": warmup,
                    "rounds": rounds, "bucket_mb": bucket_mb, "variants": list(variants),
-                   "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo"}
+                   "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo",
+                   "trace_dir": trace_dir, "engine_options": engine_options or {}}
         if cluster is not None:
             torchrun_on_cluster(cluster, ["paraloom.data_parallel.bench", "--options", json.dumps(options)],
                                 log_dir=Path(tmp))
@@ -121,6 +152,8 @@ def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, bat
     seconds = out["seconds"]
     out["bound"] = max(seconds["compute"], seconds["allreduce"])
     out["ratio_vs_ddp"] = {v: seconds[v] / seconds["ddp"] for v in variants if "ddp" in seconds}
+    out["ratio_vs_wait_free"] = {v: seconds[v] / seconds["wait_free"] for v in variants
+                                 if "wait_free" in seconds}
     return out
 
 

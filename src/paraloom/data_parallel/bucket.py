@@ -34,24 +34,34 @@ def assign_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int,
 
 @dataclass
 class Bucket:
-    """A flat buffer whose slices are the `.grad` of its parameters."""
+    """A flat buffer whose slices are the `.grad` of its parameters.
+
+    Sync modes that average or shard parameters also keep the parameters themselves in a flat
+    buffer of the same layout (`flatten_params`); OD-SGD keeps a second gradient buffer (`spare`)
+    to reduce one step's gradients while the next step's accumulate.
+    """
 
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor
     views: list[torch.Tensor]
+    offsets: list[int]  # where each parameter starts in the buffer
     pending: int = 0  # parameters whose gradient this backward has not produced yet
     seen: set[int] = field(default_factory=set)
+    param_buffer: torch.Tensor | None = None
+    spare: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, index: int, params: list[nn.Parameter]) -> Bucket:
+    def build(cls, index: int, params: list[nn.Parameter], *, pad_to: int = 1) -> Bucket:
+        """Lay the parameters out back to back; the length is padded to a multiple of `pad_to`."""
         total = sum(p.numel() for p in params)
+        total += -total % pad_to
         buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        views, offset = [], 0
+        offsets, offset = [], 0
         for p in params:
-            views.append(buffer[offset: offset + p.numel()].view_as(p))
+            offsets.append(offset)
             offset += p.numel()
-        return cls(index, params, buffer, views)
+        return cls(index, params, buffer, _views(buffer, params, offsets), offsets)
 
     @property
     def nbytes(self) -> int:
@@ -68,3 +78,27 @@ class Bucket:
             copied = True
         p.grad = view
         return copied
+
+    def flatten_params(self) -> None:
+        """Move the parameters' values into one flat buffer; each `p.data` becomes a view of it."""
+        self.param_buffer = torch.zeros_like(self.buffer)
+        for p, view in zip(self.params, _views(self.param_buffer, self.params, self.offsets), strict=True):
+            view.copy_(p.data)
+            p.data = view
+
+    def param_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a buffer laid out like this bucket, one per parameter, shaped like it."""
+        return _views(buffer, self.params, self.offsets)
+
+    def swap_buffers(self) -> None:
+        """Exchange the gradient buffer with the spare one and point every `.grad` at the new views."""
+        if self.spare is None:
+            self.spare = torch.zeros_like(self.buffer)
+        self.buffer, self.spare = self.spare, self.buffer
+        self.views = _views(self.buffer, self.params, self.offsets)
+        for p, view in zip(self.params, self.views, strict=True):
+            p.grad = view
+
+
+def _views(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> list[torch.Tensor]:
+    return [buffer[o: o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]

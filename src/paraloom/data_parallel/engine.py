@@ -1,17 +1,20 @@
-"""DataParallel: per-parameter hooks -> buckets -> scheduler -> all-reduce, overlapping backward.
+"""DataParallel: per-parameter hooks -> buckets -> scheduler -> collectives, overlapping backward.
 
 Gradients live in flat bucket buffers (`p.grad` is a view, so nothing is copied per step).
-As backward produces the last gradient of a bucket, the bucket is handed to the scheduler,
-which launches its all-reduce (`wait_free`) or holds it to the end (`fifo`); buckets are
-always launched in the same order on every rank. `sync_gradients()` after backward launches
-what is left, waits, and averages. Parameters that got no gradient in a step count as zero.
+As backward produces the last gradient of a bucket, the bucket's pieces (the whole bucket, or
+partitions of it under the priority scheduler) are handed to the scheduler, which launches
+their collectives in one order on every rank. What happens after backward is the sync mode's
+business (`engine.step(optimizer)`): synchronous averaging (modes.py), deferred per-module
+updates (priority.py), one-step-delay SGD (delayed.py), local SGD (local_sgd.py) or a sharded
+optimizer (shard.py). Parameters that got no gradient in a step count as zero.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,44 +22,108 @@ from torch import nn
 
 from paraloom.comm.algorithms import all_reduce, check_algorithm
 from paraloom.comm.collectives import CommStats, broadcast
-from paraloom.comm.schedule import CommTask, CommThread, Executor, make_scheduler
+from paraloom.comm.schedule import CommTask, CommThread, CreditExecutor, Executor, make_scheduler
 from paraloom.data_parallel.bucket import Bucket, assign_buckets
+from paraloom.data_parallel.modes import make_mode
 
 MB = 2**20
 
 
+@dataclass(eq=False)
+class Piece:
+    """What one collective carries: a slice [start, stop) of a bucket's gradient buffer."""
+
+    key: int  # launch order before any reordering: bucket by bucket, front to back
+    bucket: Bucket
+    start: int
+    stop: int
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.bucket.buffer[self.start: self.stop]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * self.bucket.buffer.element_size()
+
+
+def cut_pieces(buckets: list[Bucket], piece_bytes: int | None) -> list[list[Piece]]:
+    """Split every bucket into pieces of at most `piece_bytes` (None: one piece per bucket)."""
+    out, key = [], 0
+    for bucket in buckets:
+        n = bucket.buffer.numel()
+        step = n if piece_bytes is None else max(1, piece_bytes // bucket.buffer.element_size())
+        pieces = []
+        for start in range(0, n, step):
+            pieces.append(Piece(key, bucket, start, min(start + step, n)))
+            key += 1
+        out.append(pieces)
+    return out
+
+
 class DataParallel(nn.Module):
+    """Data-parallel wrapper; see the module docstring and `paraloom.config.CommConfig` for options."""
+
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, scheduler: str = "wait_free",
-                 algorithm: str = "native", stats: CommStats | None = None) -> None:
+                 algorithm: str = "native", stats: CommStats | None = None, sync: str = "sync",
+                 local_steps: int = 4, local_warmup: int = 0, shard_optimizer: bool = False,
+                 partition_mb: float = 2.0, credit_mb: float = 8.0, delay_lr: float | None = None,
+                 timeline=None, comm_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         check_algorithm(algorithm)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.algorithm = algorithm
         self.stats = stats if stats is not None else CommStats()
-        self._executor = Executor(make_scheduler(scheduler))
+        self.timeline = timeline
+        self.policy = make_scheduler(scheduler)
+        self.comm_group = group
+        if scheduler == "priority":
+            # launch times follow each rank's own progress, so the engine's collectives get a
+            # group of their own: they can never interleave differently with the caller's
+            self.comm_group = comm_group if comm_group is not None else private_group(group)
+            self._executor = CreditExecutor(self.policy, int(credit_mb * MB))
+        else:
+            self._executor = Executor(self.policy)
         self._thread = CommThread() if algorithm != "native" and self.world_size > 1 else None
-        self._sync = True
+        self._sync = True  # False inside no_sync()
+        self.reduce_in_backward = True  # the sync mode turns this off for steps without gradient traffic
         self.copies = 0  # gradients that arrived outside their bucket and had to be copied in
+        self.forward_done_at = 0.0
+        self.ready_at: dict[int, float] = {}  # piece key -> seconds from end of forward to ready
+        self.piece_times: dict[int, list[float]] | None = None  # when set: key -> [launched, done]
         with torch.no_grad():  # every replica starts from group rank 0's state, as DDP does
             for tensor in [*module.parameters(), *module.buffers()]:
                 broadcast(tensor.data, group=group)
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # ~ backward order
+        if scheduler == "priority":  # small tensors merge up to a partition; large ones are cut
+            bucket_mb = first_bucket_mb = partition_mb
         groups = assign_buckets([(p.numel() * p.element_size(), p.dtype) for p in params],
                                 int(bucket_mb * MB), int(first_bucket_mb * MB))
-        self.buckets = [Bucket.build(i, [params[j] for j in members]) for i, members in enumerate(groups)]
+        pad_to = self.world_size if shard_optimizer else 1
+        self.buckets = [Bucket.build(i, [params[j] for j in members], pad_to=pad_to)
+                        for i, members in enumerate(groups)]
+        self.pieces = cut_pieces(self.buckets, int(partition_mb * MB) if scheduler == "priority" else None)
+        self.n_pieces = sum(len(p) for p in self.pieces)
         self._slot = {}
         for bucket in self.buckets:
             for slot, p in enumerate(bucket.params):
                 self._slot[p] = (bucket, slot)
                 bucket.bind(slot)
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self.mode = make_mode(self, sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer,
+                              local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
+                              delay_lr=delay_lr)
         self._reset()
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self.mode.after_forward()
+        self.forward_done_at = time.perf_counter()
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -67,8 +134,13 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    # ---- backward: hooks -> buckets -> scheduler
+
     def _reset(self) -> None:
         self._executor.reset()
+        self.reset_buckets()
+
+    def reset_buckets(self) -> None:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.seen.clear()
@@ -76,10 +148,10 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot[p]
         self.copies += bucket.bind(slot)
-        if not self._sync:
+        if not (self._sync and self.reduce_in_backward):
             return
         if slot in bucket.seen:
-            raise RuntimeError("a second backward ran before sync_gradients(); accumulate "
+            raise RuntimeError("a second backward ran before the step; accumulate "
                                "micro-batches inside `with engine.no_sync():`")
         bucket.seen.add(slot)
         bucket.pending -= 1
@@ -87,46 +159,136 @@ class DataParallel(nn.Module):
             self._ready(bucket)
 
     def _ready(self, bucket: Bucket) -> None:
-        self._executor.mark_ready(CommTask(bucket.index, bucket.nbytes, launch=lambda: self._launch(bucket)))
+        now = time.perf_counter() - self.forward_done_at
+        for piece in self.pieces[bucket.index]:
+            self.ready_at[piece.key] = now
+            self._executor.mark_ready(CommTask(piece.key, piece.nbytes,
+                                               launch=lambda piece=piece: self._launch(piece)))
 
-    def _launch(self, bucket: Bucket):
-        self.stats.bytes += bucket.nbytes
+    def _launch(self, piece: Piece):
+        self.stats.bytes += piece.nbytes
         self.stats.calls += 1
         if self.world_size == 1:
             return _Done
-        if self._thread is None:
-            return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        return self._thread.submit(lambda: all_reduce(bucket.buffer, algorithm=self.algorithm,
-                                                      group=self.group))
+        on_done = None
+        if self.piece_times is not None:
+            times = self.piece_times[piece.key] = [time.perf_counter() - self.forward_done_at, 0.0]
 
-    @torch.no_grad()
-    def sync_gradients(self) -> None:
-        """After backward: reduce whatever is not in flight yet, wait for all, average."""
+            def on_done():
+                times[1] = time.perf_counter() - self.forward_done_at
+        return self.mode.launch(piece, on_done)
+
+    def complete_missing(self) -> None:
+        """After backward: parameters that got no gradient count as zero; their buckets become ready."""
         for bucket in self.buckets:
-            if bucket.pending:  # parameters that got no gradient this step contribute zeros
+            if bucket.pending:
                 for slot in range(len(bucket.params)):
                     if slot not in bucket.seen:
                         bucket.bind(slot)
                 bucket.pending = 0
                 self._ready(bucket)
+
+    # ---- collectives (one issuing order; the comm thread for algorithms written on P2P)
+
+    def run_async(self, name: str, nbytes: int, native: Callable[[], dist.Work] | None,
+                  blocking: Callable[[], object], on_done: Callable[[], None] | None = None):
+        """Start one collective: `native()` returns an async work; `blocking()` runs on the comm thread.
+
+        `on_done` (and the trace's comm span) run when it completes, on whichever thread sees it.
+        """
+        timeline = self.timeline
         start = time.perf_counter()
-        self._executor.wait_all(len(self.buckets))
+        callbacks = [on_done] if on_done is not None else []
+        if timeline is not None and timeline.active:
+            callbacks.append(lambda: timeline.span(name, "comm", start, timeline.now(), bytes=nbytes))
+
+        def finished(*_):
+            for callback in callbacks:
+                callback()
+
+        if self._thread is None:
+            work = native()
+            if callbacks:
+                work.get_future().add_done_callback(finished)
+            return work
+        if callbacks:
+            return self._thread.submit(lambda: (blocking(), finished()))
+        return self._thread.submit(blocking)
+
+    def all_reduce_async(self, tensor: torch.Tensor, name: str, on_done: Callable[[], None] | None = None):
+        return self.run_async(name, tensor.numel() * tensor.element_size(),
+                              lambda: dist.all_reduce(tensor, group=self.comm_group, async_op=True),
+                              lambda: all_reduce(tensor, algorithm=self.algorithm, group=self.comm_group),
+                              on_done)
+
+    def piece_name(self, piece: Piece) -> str:
+        if len(self.pieces[piece.bucket.index]) == 1:
+            return f"bucket {piece.bucket.index}"
+        return f"bucket {piece.bucket.index} part {piece.key}"
+
+    # ---- after backward
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """After backward: reduce whatever is not in flight yet, wait for all, average `.grad`.
+
+        The classic loop (`sync_gradients(); optimizer.step()`), for the synchronous modes.
+        """
+        self.mode.check_classic()
+        self.complete_missing()
+        start = time.perf_counter()
+        self._executor.wait_all(self.n_pieces)
         self.stats.seconds += time.perf_counter() - start  # time not hidden behind backward
         if self.world_size > 1:
             for bucket in self.buckets:
                 bucket.buffer.div_(self.world_size)
         self._reset()
 
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After backward: synchronize as the sync mode says, update with `optimizer`, zero gradients."""
+        self.mode.step(optimizer)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for communication in flight and apply deferred updates (before evaluating or saving)."""
+        self.mode.finish()
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.finish()
+        self._executor.close()
         if self._thread is not None:
             self._thread.close()
             self._thread = None
+
+
+def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group over the same ranks as `group`, which must span the whole world.
+
+    Making a group is collective over the world, so a sub-group's private twin must be made by
+    the caller on every rank (and passed as `comm_group`).
+    """
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if len(ranks) != dist.get_world_size():
+        raise ValueError("scheduler='priority' on a sub-group needs comm_group=: a second group over the "
+                         "same ranks, made on every rank with dist.new_group")
+    return dist.new_group(ranks=ranks)
 
 
 class _DoneHandle:
     @staticmethod
     def wait() -> None:
         return None
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
 
 
 _Done = _DoneHandle()

@@ -42,5 +42,16 @@ class DataParallelNaive(nn.Module):
             all_reduce(p.grad, group=self.group, op=dist.ReduceOp.AVG, algorithm=self.algorithm,
                        stats=self.stats)
 
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Average gradients, step, zero the gradients: the same contract as DataParallel.step."""
+        self.sync_gradients()
+        optimizer.step()
+        for p in self._params:
+            p.grad.zero_()
+
+    def finish(self) -> None:
+        """Nothing is ever left in flight."""
+
     def close(self) -> None:
         """Nothing to release; here so every engine can be closed the same way."""

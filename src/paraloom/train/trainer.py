@@ -17,19 +17,24 @@ from paraloom.comm.collectives import CommStats
 from paraloom.config import CommConfig, Config, OptimConfig
 from paraloom.data import ShardedBatches, Split, load_dataset
 from paraloom.data_parallel import DataParallel, DataParallelNaive
+from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.topology import RankGroups, Topology
+from paraloom.trace import Timeline, trace_modules
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
 
 
 def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups,
-                stats: CommStats) -> DataParallel | DataParallelNaive:
+                stats: CommStats, timeline=None) -> DataParallel | DataParallelNaive:
     if comm.engine == "naive":
         return DataParallelNaive(model, group=groups.dp_group, algorithm=comm.algorithm, stats=stats)
     return DataParallel(model, group=groups.dp_group, bucket_mb=comm.bucket_mb,
                         first_bucket_mb=comm.first_bucket_mb, scheduler=comm.scheduler,
-                        algorithm=comm.algorithm, stats=stats)
+                        algorithm=comm.algorithm, stats=stats, sync=comm.sync,
+                        local_steps=comm.local_steps, local_warmup=comm.local_warmup,
+                        shard_optimizer=comm.shard_optimizer, partition_mb=comm.partition_mb,
+                        credit_mb=comm.credit_mb, delay_lr=comm.delay_lr, timeline=timeline)
 
 
 def make_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
@@ -65,6 +70,13 @@ def evaluate(model: nn.Module, split: Split, groups: RankGroups, batch: int = 10
     return float(correct) / len(split.y_test)
 
 
+def shared_run_dir(run_dir: Path | None) -> Path | None:
+    """Global rank 0's run directory, on every rank (under torchrun only rank 0 is given it)."""
+    box = [str(run_dir.resolve()) if run_dir is not None and dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0]) if box[0] is not None else None
+
+
 def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
           started_at: float | None = None) -> dict[str, Any]:
     """Run the whole job on this rank; rank 0 writes the run directory and returns the summary."""
@@ -79,8 +91,16 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     model_kwargs = dataclasses.asdict(cfg.model)
     model = build_model(model_kwargs.pop("name"), split.input_shape, split.n_classes,
                         **model_kwargs).to(device)
+    timeline = None
+    if cfg.run.trace:
+        trace_dir = shared_run_dir(run_dir)
+        if trace_dir is None:
+            raise UserError("run.trace=true needs a run directory; give train() one on rank 0")
+        trace_dir = trace_dir / "trace"
+        timeline = Timeline(rank)
+        trace_modules(model, timeline)  # the bare model: its layers, not the engine's wrapper
     stats = CommStats()
-    engine = make_engine(model, cfg.comm, groups, stats)
+    engine = make_engine(model, cfg.comm, groups, stats, timeline)
     stats.take()  # the initial broadcast is not a training step's traffic
     optimizer = make_optimizer(cfg.optim, model.parameters())
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank,
@@ -101,15 +121,18 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
             for local_idx, global_count in batches.epoch(epoch):
                 if step == total_steps:
                     break
+                if timeline is not None:  # steps 2 .. 1 + trace_steps (1-based)
+                    timeline.active = 1 <= step <= cfg.run.trace_steps
+                    step_start = timeline.now()
                 local_idx = local_idx.to(device)
                 x, y = split.x_train[local_idx], split.y_train[local_idx]
                 loss, loss_sum = batch_loss(engine, x, y, global_count=global_count,
                                             dp_world_size=groups.dp_world_size)
-                optimizer.zero_grad(set_to_none=False)  # keep gradients as bucket views
                 loss.backward()
-                engine.sync_gradients()
-                optimizer.step()
+                engine.step(optimizer)  # synchronize, update, zero the gradients (bucket views)
                 step += 1
+                if timeline is not None:
+                    timeline.span(f"step {step}", "step", step_start, timeline.now())
                 samples += global_count
                 if step % cfg.run.log_every == 0 or step == total_steps:
                     dist.all_reduce(loss_sum, group=groups.dp_group)  # metric only, not counted
@@ -130,7 +153,10 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                 progress.update(step, loss=loss_value,
                                 samples_per_s=samples / max(time.perf_counter() - loop_start, 1e-9),
                                 epoch=epoch)
+        engine.finish()  # deferred updates and the last delayed all-reduce land before evaluating
         train_seconds = time.perf_counter() - loop_start
+        if timeline is not None:
+            timeline.active = False
         accuracy = evaluate(model, split, groups)
     finally:
         engine.close()
@@ -154,6 +180,9 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "device": str(device),
         "backend": dist.get_backend(),
     }
+    if timeline is not None:
+        timeline.write(trace_dir / f"rank{rank}.json")  # every rank writes its own
+        summary["trace_dir"] = str(trace_dir)
     if is_main and run_dir is not None:
         if cfg.run.save_model:
             save_state(run_dir / "model.pt", model.state_dict())

@@ -1,0 +1,78 @@
+"""Sync modes of DataParallel: what `engine.step(optimizer)` does after backward; the synchronous one.
+
+A mode owns the step: which collective a ready gradient piece launches (`launch`), how the
+parameters are updated (`step`), what must complete before the model is read (`finish`), and
+whether the classic `sync_gradients(); optimizer.step()` loop is allowed (`check_classic`).
+"""
+
+from __future__ import annotations
+
+from paraloom.errors import UserError
+
+SYNC_NAMES = ("sync", "one_step_delay", "local_sgd")
+
+
+class SyncMode:
+    """Synchronous data parallelism: average gradients, then one optimizer step on every rank."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def launch(self, piece, on_done=None):
+        return self.engine.all_reduce_async(piece.grad, self.engine.piece_name(piece), on_done)
+
+    def after_forward(self) -> None:
+        pass
+
+    def check_classic(self) -> None:
+        pass
+
+    def step(self, optimizer) -> None:
+        self.engine.sync_gradients()
+        optimizer.step()
+        self.engine.zero_grad()
+
+    def finish(self) -> None:
+        pass
+
+
+def make_mode(engine, *, sync: str, scheduler: str, shard_optimizer: bool, local_steps: int,
+              local_warmup: int, credit_mb: float, delay_lr: float | None):
+    check_mode(sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer, algorithm=engine.algorithm,
+               local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb)
+    if shard_optimizer:
+        from paraloom.data_parallel.shard import ShardedMode
+
+        return ShardedMode(engine)
+    if sync == "one_step_delay":
+        from paraloom.data_parallel.delayed import DelayedMode
+
+        return DelayedMode(engine, lr=delay_lr)
+    if sync == "local_sgd":
+        from paraloom.data_parallel.local_sgd import LocalSGDMode
+
+        return LocalSGDMode(engine, local_steps=local_steps, warmup=local_warmup)
+    if scheduler == "priority":
+        from paraloom.data_parallel.priority import PriorityMode
+
+        return PriorityMode(engine, credit_bytes=int(credit_mb * 2**20))
+    return SyncMode(engine)
+
+
+def check_mode(*, sync: str, scheduler: str, shard_optimizer: bool, algorithm: str, local_steps: int,
+               local_warmup: int, credit_mb: float) -> None:
+    """Refuse combinations that are not built, with the reason, before any process group work."""
+    if sync not in SYNC_NAMES:
+        raise UserError(f"comm.sync={sync!r} is not known; choose one of: {', '.join(SYNC_NAMES)}")
+    if local_steps < 1 or local_warmup < 0:
+        raise UserError("comm.local_steps must be at least 1 and comm.local_warmup not negative")
+    if credit_mb <= 0:
+        raise UserError(f"comm.credit_mb={credit_mb} must be positive")
+    if shard_optimizer and sync != "sync":
+        raise UserError(f"comm.shard_optimizer=true works with comm.sync=sync only, not {sync!r}")
+    if shard_optimizer and algorithm not in ("native", "ring"):
+        raise UserError(f"comm.shard_optimizer=true reduce-scatters with algorithm native or ring, "
+                        f"not {algorithm!r}")
+    if scheduler == "priority" and (sync != "sync" or shard_optimizer):
+        raise UserError("comm.scheduler=priority works with comm.sync=sync and no optimizer sharding: "
+                        "its deferred updates replace the synchronous step")

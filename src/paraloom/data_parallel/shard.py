@@ -1,0 +1,109 @@
+"""Optimizer-state sharding (ZeRO stages 1-2 style): reduce-scatter gradients, step a shard, all-gather.
+
+Every bucket is padded to a multiple of the world size and cut into one equal block per rank.
+During backward each ready bucket's gradients are reduce-scattered, so a rank receives only the
+sum for its own block. `step(optimizer)` averages that block, steps it with an optimizer of the
+user's kind and hyper-parameters that holds state for the block alone (so optimizer memory per
+rank is ~1/N), and all-gathers the updated blocks into the flat parameter buffers. The user's
+optimizer keeps no state; its learning rate and other hyper-parameters are read every step, so
+learning-rate schedules on it still apply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from paraloom.comm.algorithms import reduce_scatter
+from paraloom.data_parallel.modes import SyncMode
+from paraloom.errors import UserError
+
+# torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the second names
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedMode(SyncMode):
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        n, rank = engine.world_size, engine.rank
+        self.shards: list[torch.Tensor] = []  # this rank's block of each bucket's parameters
+        for bucket in engine.buckets:
+            bucket.flatten_params()
+            shard = torch.nn.Parameter(bucket.param_buffer.view(n, -1)[rank].clone())
+            shard.grad = torch.zeros_like(shard)
+            self.shards.append(shard)
+        self.inner: torch.optim.Optimizer | None = None
+
+    def check_classic(self) -> None:
+        raise RuntimeError("comm.shard_optimizer=true updates in engine.step(optimizer); "
+                           "sync_gradients() does not apply")
+
+    def launch(self, piece, on_done=None):
+        engine, bucket = self.engine, piece.bucket
+        shard_grad = self.shards[bucket.index].grad
+        if engine.algorithm == "native":
+            native = lambda: _reduce_scatter_flat(shard_grad, bucket.buffer, group=engine.group,  # noqa: E731
+                                                  async_op=True)
+        else:
+            native = None
+
+        def blocking():
+            shard_grad.copy_(reduce_scatter(bucket.buffer, algorithm="ring", group=engine.group))
+
+        name = engine.piece_name(piece) + " (reduce-scatter)"
+        return engine.run_async(name, bucket.nbytes, native, blocking, on_done)
+
+    def _inner_for(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if len(optimizer.param_groups) != 1:
+            raise UserError("comm.shard_optimizer=true supports an optimizer with one parameter group")
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        if self.inner is None:
+            self.inner = type(optimizer)(self.shards, **hyper)
+        else:
+            self.inner.param_groups[0].update(hyper)
+        return self.inner
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        engine = self.engine
+        inner = self._inner_for(optimizer)
+        if engine.world_size == 1:
+            for bucket, shard in zip(engine.buckets, self.shards, strict=True):
+                shard.grad.copy_(bucket.buffer)
+        engine.complete_missing()
+        engine._executor.wait_all(engine.n_pieces)
+        engine._reset()
+        for shard in self.shards:
+            if engine.world_size > 1:
+                shard.grad.div_(engine.world_size)
+        inner.step()
+        works = []
+        for bucket, shard in zip(engine.buckets, self.shards, strict=True):
+            engine.stats.bytes += bucket.nbytes
+            engine.stats.calls += 1
+            if engine.world_size == 1:
+                bucket.param_buffer.copy_(shard)
+                continue
+            works.append(engine.run_async(
+                f"bucket {bucket.index} (all-gather)", bucket.nbytes,
+                lambda b=bucket, s=shard: _all_gather_flat(b.param_buffer, s, group=engine.group,
+                                                           async_op=True),
+                lambda b=bucket, s=shard: _all_gather_blocking(b.param_buffer, s, engine.group)))
+        for work in works:
+            work.wait()
+        engine.zero_grad()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        if self.inner is None:
+            return 0
+        return sum(t.numel() * t.element_size() for state in self.inner.state.values()
+                   for t in state.values() if torch.is_tensor(t))
+
+
+def _all_gather_blocking(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    from paraloom.comm.algorithms import all_gather
+
+    out.view(-1, shard.numel())[dist.get_rank(group)].copy_(shard)
+    all_gather(out, algorithm="ring", group=group)
