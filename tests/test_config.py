@@ -44,6 +44,13 @@ def test_round_trip_through_yaml(tmp_path):
     (["data.batch_size"], r"must look like section.key=value"),
     (["data.batch_size=[1, 2]"], r"takes a single value"),
     (["run.name=a/b"], r"plain directory name"),
+    (["comm.sync=async"], r"comm.sync='async' is not valid; choose one of: sync, one_step_delay, local_sgd"),
+    (["comm.scheduler=priority", "comm.sync=one_step_delay"], r"priority works with comm.sync=sync"),
+    (["comm.shard_optimizer=true", "comm.sync=local_sgd"], r"shard_optimizer=true works with comm.sync=sync"),
+    (["comm.shard_optimizer=true", "comm.algorithm=tree"], r"reduce-scatters with algorithm native or ring"),
+    (["comm.local_steps=0"], r"comm.local_steps must be at least 1"),
+    (["comm.partition_mb=0"], r"partition_mb must be positive"),
+    (["comm.credit_mb=0"], r"comm.credit_mb=0.0 must be positive"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -24,7 +24,7 @@ from paraloom.comm.algorithms import all_reduce, check_algorithm
 from paraloom.comm.collectives import CommStats, broadcast
 from paraloom.comm.schedule import CommTask, CommThread, CreditExecutor, Executor, make_scheduler
 from paraloom.data_parallel.bucket import Bucket, assign_buckets
-from paraloom.data_parallel.modes import make_mode
+from paraloom.data_parallel.modes import check_mode, make_mode
 
 MB = 2**20
 
@@ -61,17 +61,44 @@ def cut_pieces(buckets: list[Bucket], piece_bytes: int | None) -> list[list[Piec
     return out
 
 
+ENGINE_OPTIONS = {  # keyword -> default; the same names as the comm.* config keys
+    "bucket_mb": 25.0, "first_bucket_mb": 1.0, "scheduler": "wait_free", "algorithm": "native",
+    "sync": "sync", "local_steps": 4, "local_warmup": 0, "shard_optimizer": False,
+    "partition_mb": 2.0, "credit_mb": 8.0, "delay_lr": None,
+}
+
+
 class DataParallel(nn.Module):
-    """Data-parallel wrapper; see the module docstring and `paraloom.config.CommConfig` for options."""
+    """Data-parallel wrapper; see the module docstring and `paraloom.config.CommConfig` for options.
+
+    The options come as keywords, or all at once from `comm=CommConfig(...)`; the data-parallel
+    group as `group=`, or from `topology=` (a `Topology`, whose groups are made here, or the
+    `RankGroups` it made).
+    """
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, scheduler: str = "wait_free",
                  algorithm: str = "native", stats: CommStats | None = None, sync: str = "sync",
                  local_steps: int = 4, local_warmup: int = 0, shard_optimizer: bool = False,
                  partition_mb: float = 2.0, credit_mb: float = 8.0, delay_lr: float | None = None,
-                 timeline=None, comm_group: dist.ProcessGroup | None = None) -> None:
+                 timeline=None, comm_group: dist.ProcessGroup | None = None,
+                 topology=None, comm=None) -> None:
         super().__init__()
-        check_algorithm(algorithm)
+        if comm is not None:
+            given = {k: v for k, v in locals().items() if k in ENGINE_OPTIONS and v != ENGINE_OPTIONS[k]}
+            if given:
+                raise TypeError(f"give engine options in comm= or as keywords, not both: {sorted(given)}")
+            (bucket_mb, first_bucket_mb, scheduler, algorithm, sync, local_steps, local_warmup,
+             shard_optimizer, partition_mb, credit_mb, delay_lr) = (getattr(comm, k) for k in ENGINE_OPTIONS)
+        if topology is not None:
+            if group is not None:
+                raise TypeError("give group= or topology=, not both")
+            groups = topology.init_groups() if hasattr(topology, "init_groups") else topology
+            group = groups.dp_group
+        check_algorithm(algorithm)  # refuse bad options before touching the model or the group
+        check_mode(sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer, algorithm=algorithm,
+                   local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb)
+        make_scheduler(scheduler)
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)

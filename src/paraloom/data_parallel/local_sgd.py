@@ -3,7 +3,8 @@
 The first `warmup` steps are synchronous (gradients averaged every step, as in plain data
 parallelism); after that each rank steps on its own gradients and every `local_steps`-th step
 ends with an all-reduce of the parameters, bucket by bucket. Optimizer state (momentum, Adam's
-moments) stays local, as in post-local SGD.
+moments) stays local, as in post-local SGD. `finish()` averages once more if local steps were
+taken since the last averaging, so every rank ends with the same model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class LocalSGDMode(SyncMode):
         self.local_steps = local_steps
         self.warmup = warmup
         self.steps = 0
+        self.unaveraged = False  # local steps taken since the parameters were last averaged
         for bucket in engine.buckets:
             bucket.flatten_params()
         engine.reduce_in_backward = warmup > 0
@@ -36,13 +38,20 @@ class LocalSGDMode(SyncMode):
         else:
             optimizer.step()
             engine.zero_grad()
+            self.unaveraged = True
             if (self.steps - self.warmup + 1) % self.local_steps == 0:
                 self.average_parameters()
         self.steps += 1
         engine.reduce_in_backward = self.steps < self.warmup
 
+    @torch.no_grad()
+    def finish(self) -> None:
+        if self.unaveraged:
+            self.average_parameters()
+
     def average_parameters(self) -> None:
         engine = self.engine
+        self.unaveraged = False
         if engine.world_size == 1:
             return
         works = []

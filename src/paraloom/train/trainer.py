@@ -29,12 +29,7 @@ def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups,
                 stats: CommStats, timeline=None) -> DataParallel | DataParallelNaive:
     if comm.engine == "naive":
         return DataParallelNaive(model, group=groups.dp_group, algorithm=comm.algorithm, stats=stats)
-    return DataParallel(model, group=groups.dp_group, bucket_mb=comm.bucket_mb,
-                        first_bucket_mb=comm.first_bucket_mb, scheduler=comm.scheduler,
-                        algorithm=comm.algorithm, stats=stats, sync=comm.sync,
-                        local_steps=comm.local_steps, local_warmup=comm.local_warmup,
-                        shard_optimizer=comm.shard_optimizer, partition_mb=comm.partition_mb,
-                        credit_mb=comm.credit_mb, delay_lr=comm.delay_lr, timeline=timeline)
+    return DataParallel(model, topology=groups, comm=comm, stats=stats, timeline=timeline)
 
 
 def make_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
@@ -110,7 +105,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     if cfg.optim.max_steps is not None:
         total_steps = min(total_steps, cfg.optim.max_steps)
 
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if is_main else None
+    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if is_main and run_dir else None
     progress = TrainProgress(total_steps, enabled=is_main)
     step, samples, comm_bytes_total, comm_seconds_total = 0, 0, 0, 0.0
     logged_step, logged_samples, logged_at = 0, 0, time.perf_counter()
