@@ -37,14 +37,14 @@ def _cluster(nodes: int, rate_bits: float) -> EmulatedCluster:
     return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=rate, name=name))
 
 
-def balanced_case(size: dict, trace: str | None) -> dict:
+def balanced_case(size: dict, trace: str | None, max_probes: int = 3) -> dict:
     """Case (a): find the bandwidth where all-reduce time ~ compute time, then run every variant."""
     probe = {**size, "variants": (), "batch": BALANCED_BATCH}
     local = run(nproc=2, **probe)
     grad_bytes = 4 * local["params"]  # a 2-worker all-reduce puts about this much on each link
     rate = grad_bytes * 8 / local["seconds"]["compute"]
     probes = []
-    for _ in range(3):  # correct the guess by the measured ratio until within 10%
+    for _ in range(max_probes):  # correct the guess by the measured ratio until within 10%
         with _cluster(2, rate) as cluster:
             seconds = run(cluster=cluster, **probe)["seconds"]
         probes.append({"bits": cluster.spec.rate_bits, "compute_s": seconds["compute"],
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     size = {**MODEL, "rounds": 3}
     if args.quick:
         size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1}
-    cases = {"balanced_2": balanced_case(size, args.trace)}
+    cases = {"balanced_2": balanced_case(size, args.trace, max_probes=1 if args.quick else 3)}
     nodes = 2 if args.quick else 4
     with _cluster(nodes, 10**9) as cluster:
         trace = f"{args.trace}/{nodes}x1gbit" if args.trace else None

@@ -250,3 +250,21 @@ def test_options_from_a_comm_config_and_groups_from_a_topology():
     for (policy, buckets, size), message in run_workers(body, 2):
         assert (policy, buckets, size) == ("FifoScheduler", 2, 2)
         assert "not both" in message and "bucket_mb" in message
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_close_removes_the_hooks(variant):
+    def body(rank, world):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        engine = DataParallel(model, **VARIANTS[variant](TINY))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine(torch.randn(2, 3)).sum().backward()
+        engine.step(optimizer)
+        engine.close()
+        before = engine.copies
+        model.zero_grad()  # grads to None: a live hook would copy each new gradient into its bucket
+        model(torch.randn(2, 3)).sum().backward()
+        return before, engine.copies
+
+    for before, after in run_workers(body, 2):
+        assert before == after == 0

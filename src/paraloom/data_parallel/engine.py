@@ -136,11 +136,12 @@ class DataParallel(nn.Module):
         self.pieces = cut_pieces(self.buckets, int(partition_mb * MB) if scheduler == "priority" else None)
         self.n_pieces = sum(len(p) for p in self.pieces)
         self._slot = {}
+        self.hooks = []  # removed by close(), so a closed engine leaves the model as it found it
         for bucket in self.buckets:
             for slot, p in enumerate(bucket.params):
                 self._slot[p] = (bucket, slot)
                 bucket.bind(slot)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self.mode = make_mode(self, sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer,
                               local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
                               delay_lr=delay_lr)
@@ -289,6 +290,9 @@ class DataParallel(nn.Module):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.finish()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
         self._executor.close()
         if self._thread is not None:
             self._thread.close()

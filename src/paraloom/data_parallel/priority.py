@@ -35,7 +35,7 @@ class PriorityMode(SyncMode):
                 self.pieces_of[p] = [q for q in pieces if q.start < offset + p.numel() and q.stop > offset]
         self.modules = [m for m in engine.module.modules() if any(True for _ in m.parameters(recurse=False))]
         for module in self.modules:
-            module.register_forward_pre_hook(self._before_forward)
+            engine.hooks.append(module.register_forward_pre_hook(self._before_forward))
 
     def _before_forward(self, module: nn.Module, _args) -> None:
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
