@@ -94,7 +94,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    mode: str = _choices("dp", default="dp")  # dp: data parallel (naive all-reduce engine)
+    mode: str = _choices("dp", default="dp")  # dp: data parallel (comm.* picks the engine and its options)
     nproc: int = 2  # worker processes per node (`--nproc`)
 
     def __post_init__(self) -> None:
@@ -111,7 +111,7 @@ class CommConfig:
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     first_bucket_mb: float = 1.0  # the first bucket backward fills is small, to start early
     partition_mb: float = 2.0  # priority: tensors are cut into (and small ones merged up to) this size
-    credit_mb: float = 8.0  # priority: bytes in flight at most when planning the launch order
+    credit_mb: float = 8.0  # priority: at most this many MB in flight (planned and enforced)
     sync: str = _choices("sync", "one_step_delay", "local_sgd", default="sync")  # gradient sync mode
     local_steps: int = 4  # local_sgd: parameters are averaged every this many steps (H)
     local_warmup: int = 0  # local_sgd: synchronous steps first (post-local SGD)
