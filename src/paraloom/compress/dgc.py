@@ -1,0 +1,110 @@
+"""Deep Gradient Compression: momentum-corrected, sampled-threshold top-k sparsification (Lin et al. 2018)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from paraloom.compress.base import register
+from paraloom.compress.topk import check_density, count_kept, pack_sparse, scatter_sparse, unpack_sparse
+from paraloom.errors import UserError
+
+MIN_SAMPLED_KEPT = 8  # the sample is grown until its own top set has this many entries (a stable quantile)
+
+
+@register("dgc")
+class DGCCompressor:
+    """Deep Gradient Compression (Lin, Han, Mao, Wang & Dally, ICLR 2018).
+
+    Per bucket: optional local gradient clipping; momentum correction (u = m*u + g, v = v + u: the
+    velocity, not the gradient, is accumulated and sparsified — the optimizer should then run
+    without its own momentum); the top-k threshold is estimated from a random sample of |v|;
+    momentum factor masking (u and v are zeroed where sent). With momentum=0 this is top-k with
+    error feedback. Exponential sparsity warm-up: during the first `warmup_steps` calls per bucket
+    the density is 25%, 6.25%, 1.5625%, ... (never below the target), then the target.
+
+    Payloads are fixed-size (8k bytes for the current density: k fp32 values then k int32 indices,
+    padded with value 0 at index 0) and all-gathered (not summable). k depends on the tensor size
+    and the warm-up step only, so all ranks agree on it when they compress the same buckets.
+    """
+
+    summable = False
+
+    def __init__(self, density: float = 0.001, momentum: float = 0.9, clip_norm: float | None = None,
+                 warmup_steps: int = 0, sample_fraction: float = 0.01, seed: int = 0) -> None:
+        self.density = check_density(density)
+        if not 0.0 <= momentum < 1.0:
+            raise UserError(f"dgc momentum={momentum!r} must be in [0, 1)")
+        if clip_norm is not None and clip_norm <= 0:
+            raise UserError(f"dgc clip_norm={clip_norm!r} must be positive (or None for no clipping)")
+        if warmup_steps < 0:
+            raise UserError(f"dgc warmup_steps={warmup_steps!r} must be >= 0")
+        if not 0.0 < sample_fraction <= 1.0:
+            raise UserError(f"dgc sample_fraction={sample_fraction!r} must be in (0, 1]")
+        self.momentum = float(momentum)
+        self.clip_norm = clip_norm
+        self.warmup_steps = int(warmup_steps)
+        self.sample_fraction = float(sample_fraction)
+        self.generator = torch.Generator().manual_seed(seed)  # local sampling only; ranks need not agree
+        self.u: dict[int, torch.Tensor] = {}  # momentum
+        self.v: dict[int, torch.Tensor] = {}  # accumulated velocity (the residual)
+        self.calls: dict[int, int] = {}
+
+    def density_at(self, step: int) -> float:
+        """Density of call `step` (0-based): 0.25 ** (step + 1) during warm-up, floored at the target."""
+        if step < self.warmup_steps:
+            return max(self.density, 0.25 ** (step + 1))
+        return self.density
+
+    def payload_bytes(self, n: int, step: int | None = None) -> int:
+        return 8 * count_kept(n, self.density_at(self.warmup_steps if step is None else step))
+
+    def threshold(self, magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+        """Estimate the k-th largest of `magnitudes` from a random sample (Lin et al. 2018, §3)."""
+        n = magnitudes.numel()
+        size = min(n, max(math.ceil(self.sample_fraction * n), math.ceil(MIN_SAMPLED_KEPT * n / k)))
+        if size >= n:
+            return torch.topk(magnitudes, k, sorted=False).values.min()
+        picks = torch.randint(n, (size,), generator=self.generator).to(magnitudes.device)
+        kept = max(1, round(k * size / n))
+        return torch.topk(magnitudes[picks], kept, sorted=False).values.min()
+
+    def select(self, v: torch.Tensor, k: int) -> torch.Tensor:
+        """At most k indices of large |v|: those above the sampled threshold, cut to the exact top k
+        of them when there are more than k (the payload holds k)."""
+        magnitudes = v.abs()
+        chosen = torch.nonzero(magnitudes >= self.threshold(magnitudes, k)).view(-1)
+        if chosen.numel() > k:
+            chosen = chosen[torch.topk(magnitudes[chosen], k, sorted=False).indices]
+        return chosen
+
+    def compress(self, tensor: torch.Tensor, key: int) -> tuple[torch.Tensor, Any]:
+        """(8k-byte payload, ctx=(n, dtype, shape)); u and v for `key` are updated and masked."""
+        g = tensor.detach().reshape(-1).to(torch.float32)
+        n = g.numel()
+        step = self.calls.get(key, 0)
+        self.calls[key] = step + 1
+        if self.clip_norm is not None and n:  # tensor ops only: no device sync
+            g = g * (self.clip_norm / (torch.linalg.vector_norm(g) + 1e-12)).clamp(max=1.0)
+        u = self.u.get(key)
+        u = g.clone() if u is None else u.mul_(self.momentum).add_(g)
+        v = self.v.get(key)
+        v = u.clone() if v is None else v.add_(u)
+        self.u[key], self.v[key] = u, v
+        k = count_kept(n, self.density_at(step))
+        chosen = self.select(v, k) if k else torch.zeros(0, dtype=torch.long, device=g.device)
+        values = v[chosen]
+        u[chosen] = 0.0  # momentum factor masking
+        v[chosen] = 0.0
+        pad = k - chosen.numel()
+        if pad:
+            values = torch.cat([values, values.new_zeros(pad)])
+            chosen = torch.cat([chosen, chosen.new_zeros(pad)])
+        return pack_sparse(values, chosen), (n, tensor.dtype, tensor.shape)
+
+    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
+        n, dtype, shape = ctx
+        values, indices = unpack_sparse(payload)
+        return scatter_sparse(values, indices, n, dtype, shape)
