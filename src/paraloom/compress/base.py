@@ -6,7 +6,8 @@ this rank needs to decode. `decompress(payload, ctx)` returns a tensor shaped li
 `summable` says how payloads travel: True — payloads of all ranks can be all-reduced (summed)
 and the sum decompressed; False — payloads are all-gathered, each decompressed, and the
 results summed. A non-summable payload is one flat uint8 tensor of a size that depends only on
-the input's size and the compressor's settings and step (DGC's warm-up), so every rank's payload has the same length.
+the input's size, the compressor's settings and the step (DGC's warm-up), so every rank's
+payload has the same length.
 Error-feedback memory (`ErrorFeedback`) lives in the compressor, keyed by bucket.
 """
 
