@@ -51,6 +51,11 @@ def test_round_trip_through_yaml(tmp_path):
     (["comm.local_steps=0"], r"comm.local_steps must be at least 1"),
     (["comm.partition_mb=0"], r"partition_mb must be positive"),
     (["comm.credit_mb=0"], r"comm.credit_mb=0.0 must be positive"),
+    (["comm.compressor=zip"], r"comm.compressor='zip' is not valid; choose one of: none, fp16"),
+    (["comm.density=0.1"], r"comm.density applies to compressors topk, randomk, dgc"),
+    (["comm.compressor=topk", "comm.density=2"], r"comm.density=2.0 must lie in \(0, 1\]"),
+    (["comm.compressor=qsgd", "comm.bits=3"], r"comm.bits=3 applies to comm.compressor=qsgd"),
+    (["comm.compressor=topk", "comm.sync=one_step_delay"], r"not with one_step_delay"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -16,6 +16,8 @@ import yaml
 from paraloom.errors import UserError
 
 ALL_REDUCE_NAMES = ("native", "ring", "halving_doubling", "tree", "one_to_all")
+COMPRESSOR_NAMES = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc")
+_DENSITY_COMPRESSORS = ("topk", "randomk", "dgc")
 
 
 def _choices(*names: str, default: str) -> Any:
@@ -117,6 +119,9 @@ class CommConfig:
     local_warmup: int = 0  # local_sgd: synchronous steps first (post-local SGD)
     delay_lr: float | None = None  # one_step_delay: local compensation step size (None: optim.lr)
     shard_optimizer: bool = False  # ZeRO-style: optimizer state and update sharded across ranks
+    compressor: str = _choices("none", *COMPRESSOR_NAMES, default="none")  # gradient compression
+    density: float | None = None  # topk/randomk/dgc: share of elements sent (None: the compressor's)
+    bits: int | None = None  # qsgd: bits per element, 8, 4 or 2 (None: 8)
     timeout_s: float = 300.0  # collective timeout before a rank gives up
     interface: str | None = None  # network interface for gloo; None: loopback for local runs
 
@@ -129,7 +134,24 @@ class CommConfig:
 
         check_mode(sync=self.sync, scheduler=self.scheduler, shard_optimizer=self.shard_optimizer,
                    algorithm=self.algorithm, local_steps=self.local_steps, local_warmup=self.local_warmup,
-                   credit_mb=self.credit_mb)
+                   credit_mb=self.credit_mb, compressor=self.compressor)
+        if self.density is not None:
+            if self.compressor not in _DENSITY_COMPRESSORS:
+                raise UserError(f"comm.density applies to compressors {', '.join(_DENSITY_COMPRESSORS)}, "
+                                f"not comm.compressor={self.compressor}")
+            if not 0 < self.density <= 1:
+                raise UserError(f"comm.density={self.density} must lie in (0, 1]")
+        if self.bits is not None and (self.compressor != "qsgd" or self.bits not in (2, 4, 8)):
+            raise UserError(f"comm.bits={self.bits} applies to comm.compressor=qsgd, with 8, 4 or 2 bits")
+
+    def compressor_options(self) -> dict[str, Any]:
+        """Keyword options for `paraloom.compress.make_compressor` from the keys that were set."""
+        options: dict[str, Any] = {}
+        if self.density is not None:
+            options["density"] = self.density
+        if self.bits is not None:
+            options["bits"] = self.bits
+        return options
 
 
 @dataclass(kw_only=True)

@@ -67,8 +67,6 @@ class DelayedMode(SyncMode):
         for bucket, global_buffer in zip(engine.buckets, self.global_params, strict=True):
             torch.add(global_buffer, bucket.buffer, alpha=-lr, out=bucket.param_buffer)  # W_l = W_g - lr g_t
         for bucket in engine.buckets:
-            engine.stats.bytes += bucket.nbytes
-            engine.stats.calls += 1
             name = f"bucket {bucket.index} (delayed)"
             work = (engine.all_reduce_async(bucket.buffer, name) if engine.world_size > 1
                     else _done())

@@ -64,7 +64,7 @@ def cut_pieces(buckets: list[Bucket], piece_bytes: int | None) -> list[list[Piec
 ENGINE_OPTIONS = {  # keyword -> default; the same names as the comm.* config keys
     "bucket_mb": 25.0, "first_bucket_mb": 1.0, "scheduler": "wait_free", "algorithm": "native",
     "sync": "sync", "local_steps": 4, "local_warmup": 0, "shard_optimizer": False,
-    "partition_mb": 2.0, "credit_mb": 8.0, "delay_lr": None,
+    "partition_mb": 2.0, "credit_mb": 8.0, "delay_lr": None, "compressor": None,
 }
 
 
@@ -81,6 +81,7 @@ class DataParallel(nn.Module):
                  algorithm: str = "native", stats: CommStats | None = None, sync: str = "sync",
                  local_steps: int = 4, local_warmup: int = 0, shard_optimizer: bool = False,
                  partition_mb: float = 2.0, credit_mb: float = 8.0, delay_lr: float | None = None,
+                 compressor: str | None = None, compressor_options: dict | None = None,
                  timeline=None, comm_group: dist.ProcessGroup | None = None,
                  topology=None, comm=None) -> None:
         super().__init__()
@@ -89,7 +90,9 @@ class DataParallel(nn.Module):
             if given:
                 raise TypeError(f"give engine options in comm= or as keywords, not both: {sorted(given)}")
             (bucket_mb, first_bucket_mb, scheduler, algorithm, sync, local_steps, local_warmup,
-             shard_optimizer, partition_mb, credit_mb, delay_lr) = (getattr(comm, k) for k in ENGINE_OPTIONS)
+             shard_optimizer, partition_mb, credit_mb, delay_lr, compressor) = map(comm.__getattribute__,
+                                                                                  ENGINE_OPTIONS)
+            compressor_options = comm.compressor_options()
         if topology is not None:
             if group is not None:
                 raise TypeError("give group= or topology=, not both")
@@ -97,8 +100,14 @@ class DataParallel(nn.Module):
             group = groups.dp_group
         check_algorithm(algorithm)  # refuse bad options before touching the model or the group
         check_mode(sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer, algorithm=algorithm,
-                   local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb)
+                   local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
+                   compressor=compressor)
         make_scheduler(scheduler)
+        self.compressor = None
+        if compressor not in (None, "none"):
+            from paraloom.compress import make_compressor
+
+            self.compressor = make_compressor(compressor, **(compressor_options or {}))
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -194,8 +203,6 @@ class DataParallel(nn.Module):
                                                launch=lambda piece=piece: self._launch(piece)))
 
     def _launch(self, piece: Piece):
-        self.stats.bytes += piece.nbytes
-        self.stats.calls += 1
         if self.world_size == 1:
             return _Done
         on_done = None
@@ -223,7 +230,10 @@ class DataParallel(nn.Module):
         """Start one collective: `native()` returns an async work; `blocking()` runs on the comm thread.
 
         `on_done` (and the trace's comm span) run when it completes, on whichever thread sees it.
+        `nbytes` — what this rank hands to the collective — is what the comm stats count.
         """
+        self.stats.bytes += nbytes
+        self.stats.calls += 1
         timeline = self.timeline
         start = time.perf_counter()
         callbacks = [on_done] if on_done is not None else []

@@ -56,8 +56,6 @@ class LocalSGDMode(SyncMode):
             return
         works = []
         for bucket in engine.buckets:
-            engine.stats.bytes += bucket.nbytes
-            engine.stats.calls += 1
             works.append(engine.all_reduce_async(bucket.param_buffer, f"bucket {bucket.index} (params)"))
         for bucket, work in zip(engine.buckets, works, strict=True):
             work.wait()

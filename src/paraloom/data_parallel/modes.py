@@ -19,6 +19,10 @@ class SyncMode:
         self.engine = engine
 
     def launch(self, piece, on_done=None):
+        if self.engine.compressor is not None:
+            from paraloom.data_parallel.compressed import launch_compressed
+
+            return launch_compressed(self.engine, piece, on_done)
         return self.engine.all_reduce_async(piece.grad, self.engine.piece_name(piece), on_done)
 
     def after_forward(self) -> None:
@@ -60,7 +64,7 @@ def make_mode(engine, *, sync: str, scheduler: str, shard_optimizer: bool, local
 
 
 def check_mode(*, sync: str, scheduler: str, shard_optimizer: bool, algorithm: str, local_steps: int,
-               local_warmup: int, credit_mb: float) -> None:
+               local_warmup: int, credit_mb: float, compressor: str | None = None) -> None:
     """Refuse combinations that are not built, with the reason, before any process group work."""
     if sync not in SYNC_NAMES:
         raise UserError(f"comm.sync={sync!r} is not known; choose one of: {', '.join(SYNC_NAMES)}")
@@ -73,6 +77,9 @@ def check_mode(*, sync: str, scheduler: str, shard_optimizer: bool, algorithm: s
     if shard_optimizer and algorithm not in ("native", "ring"):
         raise UserError(f"comm.shard_optimizer=true reduce-scatters with algorithm native or ring, "
                         f"not {algorithm!r}")
+    if compressor not in (None, "none") and (shard_optimizer or sync == "one_step_delay"):
+        raise UserError(f"comm.compressor={compressor} compresses the gradient all-reduce of comm.sync=sync "
+                        "or local_sgd's warm-up; not with one_step_delay or shard_optimizer")
     if scheduler == "priority" and (sync != "sync" or shard_optimizer):
         raise UserError("comm.scheduler=priority works with comm.sync=sync and no optimizer sharding: "
                         "its deferred updates replace the synchronous step")

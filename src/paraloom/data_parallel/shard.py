@@ -80,8 +80,6 @@ class ShardedMode(SyncMode):
         inner.step()
         works = []
         for bucket, shard in zip(engine.buckets, self.shards, strict=True):
-            engine.stats.bytes += bucket.nbytes
-            engine.stats.calls += 1
             if engine.world_size == 1:
                 bucket.param_buffer.copy_(shard)
                 continue

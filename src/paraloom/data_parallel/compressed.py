@@ -1,0 +1,71 @@
+"""Compressed gradient collectives for DataParallel: compress a piece, move the payload, decode on wait.
+
+A summable payload (fp16, bf16, random-k) is all-reduced and the sum decoded; any other payload
+is all-gathered, every rank's payload decoded with this rank's context and the results summed.
+Either way the decoded *sum* is written back into the gradient piece, so the sync mode's
+division by the world size averages it as for uncompressed gradients. The payload's bytes are
+what the comm stats count. Launching is asynchronous like the uncompressed path: decoding
+happens in `wait()`, on the thread that waits (the training loop), never in a callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from paraloom.comm.algorithms import all_gather, all_reduce
+
+# torch 2.13 renamed the flat collective; older releases (>= 2.4) have only the second name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CompressedWork:
+    """A launched compressed collective: `wait()` waits, decodes and writes the sum into the piece."""
+
+    def __init__(self, work, finish: Callable[[], None]) -> None:
+        self.work = work
+        self._finish = finish
+        self._done = False
+        if hasattr(work, "get_future"):  # lets the priority issuer hear of completion
+            self.get_future = work.get_future
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        if not self._done:
+            self.work.wait()
+            self._finish()
+            self._done = True
+
+
+def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
+    compressor, group, world = engine.compressor, engine.comm_group, engine.world_size
+    grad = piece.grad
+    payload, ctx = compressor.compress(grad, piece.key)
+    nbytes = payload.numel() * payload.element_size()
+    name = engine.piece_name(piece) + f" ({compressor.name})"
+    if compressor.summable:
+        work = engine.run_async(name, nbytes,
+                                lambda: dist.all_reduce(payload, group=group, async_op=True),
+                                lambda: all_reduce(payload, algorithm=engine.algorithm, group=group), on_done)
+
+        def finish() -> None:
+            grad.copy_(compressor.decompress(payload, ctx).view_as(grad))
+    else:
+        gathered = payload.new_empty(world * payload.numel())
+
+        def blocking() -> None:
+            gathered.view(world, -1)[engine.rank].copy_(payload)
+            all_gather(gathered, algorithm="ring", group=group)
+
+        work = engine.run_async(name, nbytes,
+                                lambda: _all_gather_flat(gathered, payload, group=group, async_op=True),
+                                blocking, on_done)
+
+        def finish() -> None:
+            decoded = [compressor.decompress(chunk, ctx).view_as(grad) for chunk in gathered.view(world, -1)]
+            torch.sum(torch.stack(decoded), dim=0, out=grad)
+    return CompressedWork(work, finish)
