@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from paraloom.compress.base import ErrorFeedback, pack_bits, register, unpack_bits
 
 
-class _SignCompressor:
+class _SignCompressor(ABC):
     """Shared shape: p = gradient + residual; payload = fp32 scale(s) as bytes + pack_bits(p >= 0).
 
     summable=False; the payload is exactly 4 * k + ceil(n / 8) bytes for k scales and n elements;
@@ -24,11 +26,13 @@ class _SignCompressor:
         """Exact payload length in bytes for a tensor of `count` elements."""
         return 4 * self.n_scales + -(-count // 8)
 
+    @abstractmethod
     def _scales(self, flat: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The fp32 scale(s) sent with the signs of `flat`."""
 
+    @abstractmethod
     def _values(self, scales: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The decoded elements, from the scale(s) and the signs."""
 
     def compress(self, tensor: torch.Tensor, key: int) -> tuple[torch.Tensor, tuple]:
         ctx = (tensor.shape, tensor.dtype)
