@@ -12,6 +12,7 @@ to launch now; the launch order is the one order every rank issues collectives i
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -78,18 +79,21 @@ class Executor:
         self._launched: dict[int, tuple[CommTask, Handle]] = {}  # this step, in launch order
         self._waited: set[int] = set()
         self._flushing = False
+        self._guard = contextlib.nullcontext()  # the threaded executor guards this state with a lock
 
     @property
     def launched(self) -> int:
         """Tasks launched so far in this step."""
-        return len(self._launched)
+        with self._guard:
+            return len(self._launched)
 
     def reset(self) -> None:
-        if self._ready or len(self._waited) < len(self._launched):
-            raise RuntimeError("reset while communication of the last step is still pending")
-        self._launched.clear()
-        self._waited.clear()
-        self._flushing = False
+        with self._guard:
+            if self._ready or len(self._waited) < len(self._launched):
+                raise RuntimeError("reset while communication of the last step is still pending")
+            self._launched.clear()
+            self._waited.clear()
+            self._flushing = False
 
     def mark_ready(self, task: CommTask) -> None:
         self._ready[task.key] = task
@@ -134,7 +138,7 @@ def _check_complete(total: int, ready: dict, launched: dict) -> None:
         raise RuntimeError(f"communication tasks {missing} were never marked ready")
 
 
-class CreditExecutor:
+class CreditExecutor(Executor):
     """An Executor whose launches happen on one issuing thread, with at most `credit_bytes` in flight.
 
     The thread launches the policy's next task as soon as it is ready and the credit window has
@@ -145,23 +149,14 @@ class CreditExecutor:
     """
 
     def __init__(self, policy, credit_bytes: int) -> None:
-        self.policy = policy
+        super().__init__(policy)
         self.credit_bytes = credit_bytes
-        self._cond = threading.Condition()
-        self._ready: dict[int, CommTask] = {}
-        self._launched: dict[int, tuple[CommTask, Handle]] = {}
-        self._waited: set[int] = set()
-        self._flushing = False
+        self._cond = self._guard = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
         self._completion = threading.Event()  # set whenever a launched task completes
         self._thread = threading.Thread(target=self._run, name="paraloom-issuer", daemon=True)
         self._thread.start()
-
-    @property
-    def launched(self) -> int:
-        with self._cond:
-            return len(self._launched)
 
     def _next(self) -> CommTask | None:
         keys = self.policy.next_batch(list(self._ready), len(self._launched), self._flushing)
@@ -195,14 +190,6 @@ class CreditExecutor:
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
-
-    def reset(self) -> None:
-        with self._cond:
-            if self._ready or len(self._waited) < len(self._launched):
-                raise RuntimeError("reset while communication of the last step is still pending")
-            self._launched.clear()
-            self._waited.clear()
-            self._flushing = False
 
     def mark_ready(self, task: CommTask) -> None:
         with self._cond:

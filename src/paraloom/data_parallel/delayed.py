@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from paraloom.data_parallel.modes import SyncMode
+from paraloom.data_parallel.modes import DONE, SyncMode
 
 
 class DelayedMode(SyncMode):
@@ -69,7 +69,7 @@ class DelayedMode(SyncMode):
         for bucket in engine.buckets:
             name = f"bucket {bucket.index} (delayed)"
             work = (engine.all_reduce_async(bucket.buffer, name) if engine.world_size > 1
-                    else _done())
+                    else DONE)
             self.in_flight.append((bucket, bucket.buffer, work))
             bucket.swap_buffers()  # the next step accumulates into the other (zeroed) buffer
 
@@ -79,8 +79,3 @@ class DelayedMode(SyncMode):
             self._apply_global()
             for bucket, global_buffer in zip(self.engine.buckets, self.global_params, strict=True):
                 bucket.param_buffer.copy_(global_buffer)
-
-
-class _done:
-    def wait(self) -> None:
-        return None

@@ -24,7 +24,7 @@ from paraloom.comm.algorithms import all_reduce, check_algorithm
 from paraloom.comm.collectives import CommStats, broadcast
 from paraloom.comm.schedule import CommTask, CommThread, CreditExecutor, Executor, make_scheduler
 from paraloom.data_parallel.bucket import Bucket, assign_buckets
-from paraloom.data_parallel.modes import check_mode, make_mode
+from paraloom.data_parallel.modes import DONE, check_mode, make_mode
 
 MB = 2**20
 
@@ -204,7 +204,7 @@ class DataParallel(nn.Module):
 
     def _launch(self, piece: Piece):
         if self.world_size == 1:
-            return _Done
+            return DONE
         on_done = None
         if self.piece_times is not None:
             times = self.piece_times[piece.key] = [time.perf_counter() - self.forward_done_at, 0.0]
@@ -321,15 +321,3 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                          "same ranks, made on every rank with dist.new_group")
     return dist.new_group(ranks=ranks)
 
-
-class _DoneHandle:
-    @staticmethod
-    def wait() -> None:
-        return None
-
-    @staticmethod
-    def is_completed() -> bool:
-        return True
-
-
-_Done = _DoneHandle()

@@ -12,6 +12,21 @@ from paraloom.errors import UserError
 SYNC_NAMES = ("sync", "one_step_delay", "local_sgd")
 
 
+class _Completed:
+    """The handle of a collective that needs no communication (one rank): already done."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+DONE = _Completed()
+
+
 class SyncMode:
     """Synchronous data parallelism: average gradients, then one optimizer step on every rank."""
 
