@@ -13,12 +13,19 @@ from paraloom.compress.qsgd import QSGDCompressor
 from paraloom.compress.sign import EFSignCompressor, OneBitCompressor
 
 SIZES = [0, 1, 7, 8, 9, 1000, 1001]
+SIZES = [0, 1, 7, 8, 9, 511, 512, 513, 1000, 1001]
+
+
+def _blocks(n, block=512):  # one scale (or norm) per block of 512, at least one
+    return max(1, math.ceil(n / block))
+
+
 NON_SUMMABLE = {  # name, options -> exact payload bytes for n elements
-    ("qsgd", 8): lambda n: 4 + n,
-    ("qsgd", 4): lambda n: 4 + math.ceil(n / 2),
-    ("qsgd", 2): lambda n: 4 + math.ceil(n / 4),
-    ("onebit", None): lambda n: 8 + math.ceil(n / 8),
-    ("efsign", None): lambda n: 4 + math.ceil(n / 8),
+    ("qsgd", 8): lambda n: 4 * _blocks(n) + n,
+    ("qsgd", 4): lambda n: 4 * _blocks(n) + math.ceil(n / 2),
+    ("qsgd", 2): lambda n: 4 * _blocks(n) + math.ceil(n / 4),
+    ("onebit", None): lambda n: 8 * _blocks(n) + math.ceil(n / 8),
+    ("efsign", None): lambda n: 4 * _blocks(n) + math.ceil(n / 8),
 }
 
 
@@ -141,27 +148,48 @@ def test_qsgd_rejects_unsupported_bits():
 
 # ---- 1-bit and scaled sign -----------------------------------------------------------------------
 
-def test_efsign_is_scale_times_sign_exactly():
-    c = EFSignCompressor(error_feedback=False)
+def test_efsign_is_scale_times_sign_exactly_per_block():
+    c = EFSignCompressor(block=512, error_feedback=False)
     x = _randn(1001)
     x[3] = 0.0
+    x[600:] *= 100  # the second block's scale must not leak into the first
     payload, ctx = c.compress(x, key=0)
-    scale = payload[:4].clone().view(torch.float32)
-    torch.testing.assert_close(scale, x.abs().sum().reshape(1) / x.numel())
+    scales = payload[:8].clone().view(torch.float32)
+    torch.testing.assert_close(scales, torch.stack([x[:512].abs().mean(), x[512:].abs().mean()]))
     sign = torch.where(x >= 0, 1.0, -1.0)
-    assert torch.equal(c.decompress(payload, ctx), scale * sign)
+    expected = torch.cat([scales[0] * sign[:512], scales[1] * sign[512:]])
+    assert torch.equal(c.decompress(payload, ctx), expected)
 
 
-def test_onebit_sends_the_mean_of_each_side():
-    c = OneBitCompressor(error_feedback=False)
+def test_onebit_sends_the_mean_of_each_side_per_block():
+    c = OneBitCompressor(block=512, error_feedback=False)
     x = _randn(1001)
+    x[512:] += 1.0  # the last block is mostly positive and shorter than a block
     payload, ctx = c.compress(x, key=0)
-    pos, neg = payload[:8].clone().view(torch.float32).tolist()
-    torch.testing.assert_close(pos, x[x >= 0].mean().item())
-    torch.testing.assert_close(neg, x[x < 0].mean().item())
-    assert torch.equal(c.decompress(payload, ctx), torch.where(x >= 0, pos, neg))
+    means = payload[:16].clone().view(torch.float32).view(2, 2)
+    for row, part in zip(means.tolist(), (x[:512], x[512:]), strict=True):
+        torch.testing.assert_close(row[0], part[part >= 0].mean().item())
+        torch.testing.assert_close(row[1], part[part < 0].mean().item())
+    expected = torch.cat([torch.where(part >= 0, row[0], row[1])
+                          for row, part in zip(means, (x[:512], x[512:]), strict=True)])
+    assert torch.equal(c.decompress(payload, ctx), expected)
     ones = torch.full((5,), 2.0)  # one empty side decodes to 0 and does not divide by zero
     assert torch.equal(c.decompress(*c.compress(ones, key=1)), ones)
+
+
+def test_qsgd_error_is_below_each_blocks_norm_over_s():
+    c = QSGDCompressor(bits=4, block=100)
+    x = _randn(1000)
+    x[:100] *= 1000  # a loud first block must not set the precision of the others
+    y = c.decompress(*c.compress(x, key=0))
+    norms = x.view(10, 100).norm(dim=1, keepdim=True) / 7
+    assert ((y - x).view(10, 100).abs() <= norms * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("cls", [OneBitCompressor, EFSignCompressor, QSGDCompressor])
+def test_block_must_be_positive(cls):
+    with pytest.raises(ValueError, match="block=0 must be a positive number of elements"):
+        cls(block=0)
 
 
 @pytest.mark.parametrize("cls", [OneBitCompressor, EFSignCompressor])

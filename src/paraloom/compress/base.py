@@ -67,6 +67,25 @@ class ErrorFeedback:
         self.residual[key] = corrected - sent
 
 
+def count_blocks(n: int, block: int) -> int:
+    """Blocks of `block` elements covering n elements; at least one, so a payload is never empty."""
+    return max(1, -(-n // block))
+
+
+def as_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """A flat tensor as (count_blocks(n, block), block) rows, zero-padded at the end."""
+    pad = count_blocks(flat.numel(), block) * block - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block)
+
+
+def check_block(block: int) -> int:
+    if int(block) != block or block < 1:
+        raise UserError(f"compressor block={block!r} must be a positive number of elements")
+    return int(block)
+
+
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """A bool or 0/1 tensor -> uint8, 8 elements per byte (element i is bit i % 8 of byte i // 8)."""
     flat = bits.reshape(-1).to(torch.uint8)
