@@ -2,7 +2,7 @@
 
 import pytest
 
-from paraloom.config import Config, dump_config, load_config, parse_overrides, read_yaml
+from paraloom.config import CommConfig, Config, dump_config, load_config, parse_overrides, read_yaml
 from paraloom.errors import UserError
 
 
@@ -56,6 +56,8 @@ def test_round_trip_through_yaml(tmp_path):
     (["comm.compressor=topk", "comm.density=2"], r"comm.density=2.0 must lie in \(0, 1\]"),
     (["comm.compressor=qsgd", "comm.bits=3"], r"comm.bits=3 applies to comm.compressor=qsgd"),
     (["comm.compressor=topk", "comm.sync=one_step_delay"], r"not with one_step_delay"),
+    (["comm.lowrank=2"], r"comm.lowrank=2 applies to comm.compressor=powersgd"),
+    (["comm.compressor=powersgd", "comm.lowrank=0"], r"and must be at least 1"),
 ])
 def test_bad_overrides_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message):
@@ -101,3 +103,9 @@ def test_world_checks_suggest_a_batch_size():
 def test_override_values_parse_as_yaml_scalars():
     assert parse_overrides(["a.b=true", "a.c=3", "a.d=x y", "a.e=", "a.f=2026-01-01"]) == \
         {"a": {"b": True, "c": 3, "d": "x y", "e": None, "f": "2026-01-01"}}
+
+
+def test_compressor_options_come_from_the_keys_that_were_set():
+    assert CommConfig(compressor="powersgd", lowrank=3).compressor_options() == {"rank": 3}
+    assert CommConfig(compressor="topk", density=0.5).compressor_options() == {"density": 0.5}
+    assert CommConfig(compressor="qsgd").compressor_options() == {}

@@ -16,7 +16,7 @@ import yaml
 from paraloom.errors import UserError
 
 ALL_REDUCE_NAMES = ("native", "ring", "halving_doubling", "tree", "one_to_all")
-COMPRESSOR_NAMES = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc")
+COMPRESSOR_NAMES = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc", "powersgd")
 _DENSITY_COMPRESSORS = ("topk", "randomk", "dgc")
 
 
@@ -119,9 +119,10 @@ class CommConfig:
     local_warmup: int = 0  # local_sgd: synchronous steps first (post-local SGD)
     delay_lr: float | None = None  # one_step_delay: local compensation step size (None: optim.lr)
     shard_optimizer: bool = False  # ZeRO-style: optimizer state and update sharded across ranks
-    compressor: str = _choices("none", *COMPRESSOR_NAMES, default="none")  # gradient compression
+    compressor: str = _choices("none", *COMPRESSOR_NAMES, default="none")  # dgc takes sgd's optim.momentum
     density: float | None = None  # topk/randomk/dgc: share of elements sent (None: the compressor's)
     bits: int | None = None  # qsgd: bits per element, 8, 4 or 2 (None: 8)
+    lowrank: int | None = None  # powersgd: rank r of the approximation (None: 2)
     timeout_s: float = 300.0  # collective timeout before a rank gives up
     interface: str | None = None  # network interface for gloo; None: loopback for local runs
 
@@ -143,6 +144,9 @@ class CommConfig:
                 raise UserError(f"comm.density={self.density} must lie in (0, 1]")
         if self.bits is not None and (self.compressor != "qsgd" or self.bits not in (2, 4, 8)):
             raise UserError(f"comm.bits={self.bits} applies to comm.compressor=qsgd, with 8, 4 or 2 bits")
+        if self.lowrank is not None and (self.compressor != "powersgd" or self.lowrank < 1):
+            raise UserError(f"comm.lowrank={self.lowrank} applies to comm.compressor=powersgd, "
+                            "and must be at least 1")
 
     def compressor_options(self) -> dict[str, Any]:
         """Keyword options for `paraloom.compress.make_compressor` from the keys that were set."""
@@ -151,6 +155,8 @@ class CommConfig:
             options["density"] = self.density
         if self.bits is not None:
             options["bits"] = self.bits
+        if self.lowrank is not None:
+            options["rank"] = self.lowrank
         return options
 
 

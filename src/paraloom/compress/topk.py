@@ -91,11 +91,15 @@ class RandomKCompressor:
     """Keep k random coordinates of gradient + residual, the same k on every rank (Stich et al. 2018,
     "Sparsified SGD with Memory"; Wangni et al. 2018). Because the indices agree, payloads (the k values)
     can be all-reduced (summable). Values are NOT rescaled by n/k: error feedback carries the unsent
-    part to later steps, which removes the bias that rescaling would otherwise correct."""
+    part to later steps, which removes the bias that rescaling would otherwise correct.
+
+    The default density is 10%, not top-k's 1%: a random coordinate waits 1/density steps on
+    average, so at 1% every update is ~100 steps stale (on digits, 12 epochs at 1% reached 57%
+    test accuracy against 98% uncompressed)."""
 
     summable = True
 
-    def __init__(self, density: float = 0.01, error_feedback: bool = True, seed: int = 0) -> None:
+    def __init__(self, density: float = 0.1, error_feedback: bool = True, seed: int = 0) -> None:
         self.density = check_density(density)
         self.seed = int(seed)
         self.memory = ErrorFeedback() if error_feedback else None

@@ -43,6 +43,8 @@ class CompressedWork:
 
 def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
     compressor, group, world = engine.compressor, engine.comm_group, engine.world_size
+    if hasattr(compressor, "reduce"):  # a multi-round reducer (PowerSGD) runs its own rounds
+        return compressor.reduce(engine, piece, on_done)
     grad = piece.grad
     payload, ctx = compressor.compress(grad, piece.key)
     nbytes = payload.numel() * payload.element_size()

@@ -92,7 +92,7 @@ class DataParallel(nn.Module):
             (bucket_mb, first_bucket_mb, scheduler, algorithm, sync, local_steps, local_warmup,
              shard_optimizer, partition_mb, credit_mb, delay_lr, compressor) = map(comm.__getattribute__,
                                                                                   ENGINE_OPTIONS)
-            compressor_options = comm.compressor_options()
+            compressor_options = {**comm.compressor_options(), **(compressor_options or {})}
         if topology is not None:
             if group is not None:
                 raise TypeError("give group= or topology=, not both")
@@ -104,7 +104,11 @@ class DataParallel(nn.Module):
                    compressor=compressor)
         make_scheduler(scheduler)
         self.compressor = None
-        if compressor not in (None, "none"):
+        if compressor == "powersgd":
+            from paraloom.data_parallel.lowrank import PowerSGDReducer
+
+            self.compressor = PowerSGDReducer(**(compressor_options or {}))
+        elif compressor not in (None, "none"):
             from paraloom.compress import make_compressor
 
             self.compressor = make_compressor(compressor, **(compressor_options or {}))
@@ -121,6 +125,8 @@ class DataParallel(nn.Module):
             # launch times follow each rank's own progress, so the engine's collectives get a
             # group of their own: they can never interleave differently with the caller's
             self.comm_group = comm_group if comm_group is not None else private_group(group)
+            if compressor == "powersgd":  # its second rounds are issued by the waiting thread
+                self.compressor.second_group = private_group(group)
             self._executor = CreditExecutor(self.policy, int(credit_mb * MB))
         else:
             self._executor = Executor(self.policy)

@@ -95,6 +95,10 @@ def check_mode(*, sync: str, scheduler: str, shard_optimizer: bool, algorithm: s
     if compressor not in (None, "none") and (shard_optimizer or sync == "one_step_delay"):
         raise UserError(f"comm.compressor={compressor} compresses the gradient all-reduce of comm.sync=sync "
                         "or local_sgd's warm-up; not with one_step_delay or shard_optimizer")
+    if compressor == "powersgd" and scheduler == "priority" and algorithm != "native":
+        raise UserError("comm.compressor=powersgd with comm.scheduler=priority needs comm.algorithm=native: "
+                        "its two rounds come from two threads, which one comm thread would serialize "
+                        "differently on different ranks")
     if scheduler == "priority" and (sync != "sync" or shard_optimizer):
         raise UserError("comm.scheduler=priority works with comm.sync=sync and no optimizer sharding: "
                         "its deferred updates replace the synchronous step")

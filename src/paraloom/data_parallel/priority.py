@@ -61,13 +61,14 @@ class PriorityMode(SyncMode):
         if not params:
             return
         engine = self.engine
-        for p in params:
-            for piece in self.pieces_of[p]:
-                if piece.key not in self.averaged:
-                    engine._executor.wait(piece.key)
-                    if engine.world_size > 1:
-                        piece.grad.div_(engine.world_size)
-                    self.averaged.add(piece.key)
+        # waited for in key order, the same on every rank (`params` may come from a set), since a
+        # wait can issue a collective (PowerSGD's second round)
+        pieces = {piece.key: piece for p in params for piece in self.pieces_of[p]}
+        for key in sorted(pieces.keys() - self.averaged):
+            engine._executor.wait(key)
+            if engine.world_size > 1:
+                pieces[key].grad.div_(engine.world_size)
+            self.averaged.add(key)
         step_some(self.optimizer, params, self.lrs)
         for p in params:
             p.grad.zero_()

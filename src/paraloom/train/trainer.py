@@ -25,17 +25,28 @@ from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
 
 
-def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups,
-                stats: CommStats, timeline=None) -> DataParallel | DataParallelNaive:
+def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups, stats: CommStats, timeline=None,
+                optim: OptimConfig | None = None) -> DataParallel | DataParallelNaive:
     if comm.engine == "naive":
         return DataParallelNaive(model, group=groups.dp_group, algorithm=comm.algorithm, stats=stats)
-    return DataParallel(model, topology=groups, comm=comm, stats=stats, timeline=timeline)
+    options = dgc_options(comm, optim) if optim is not None else None
+    return DataParallel(model, topology=groups, comm=comm, stats=stats, timeline=timeline,
+                        compressor_options=options)
 
 
-def make_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
+def dgc_options(comm: CommConfig, optim: OptimConfig) -> dict[str, float] | None:
+    """DGC's momentum correction replaces the optimizer's momentum (Lin et al. 2018): with SGD the
+    compressor takes optim.momentum and the optimizer runs without it; Adam keeps its own moments,
+    so DGC runs without momentum correction (sampled top-k with error feedback)."""
+    if comm.compressor != "dgc":
+        return None
+    return {"momentum": optim.momentum if optim.name == "sgd" else 0.0}
+
+
+def make_optimizer(cfg: OptimConfig, params, comm: CommConfig | None = None) -> torch.optim.Optimizer:
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
+        momentum = 0.0 if comm is not None and comm.compressor == "dgc" else cfg.momentum  # see dgc_options
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -95,9 +106,9 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         timeline = Timeline(rank)
         trace_modules(model, timeline)  # the bare model: its layers, not the engine's wrapper
     stats = CommStats()
-    engine = make_engine(model, cfg.comm, groups, stats, timeline)
+    engine = make_engine(model, cfg.comm, groups, stats, timeline, cfg.optim)
     stats.take()  # the initial broadcast is not a training step's traffic
-    optimizer = make_optimizer(cfg.optim, model.parameters())
+    optimizer = make_optimizer(cfg.optim, model.parameters(), cfg.comm)
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank,
                              world=groups.dp_world_size, seed=cfg.run.seed,
                              shuffle=cfg.data.shuffle)
