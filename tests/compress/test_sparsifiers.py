@@ -326,3 +326,16 @@ def test_all_gathered_topk_sums_to_the_ranks_own_decompressions(world):
         torch.testing.assert_close(total, expected, rtol=0, atol=0)
         for r in results[1:]:
             torch.testing.assert_close(r[i][3], total, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_decompress_sum_equals_the_sum_of_decompressions(name):
+    from paraloom.compress.base import make_compressor
+
+    comps = [make_compressor(name, density=0.05) for _ in range(3)]
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    payloads = [c.compress(x, key=0) for c, x in zip(comps, xs, strict=True)]
+    expected = sum(comps[0].decompress(p, ctx) for p, ctx in payloads)
+    out = torch.empty(1000)
+    comps[0].decompress_sum(torch.stack([p for p, _ in payloads]), payloads[0][1], out)
+    torch.testing.assert_close(out, expected)

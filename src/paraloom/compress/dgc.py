@@ -8,7 +8,14 @@ from typing import Any
 import torch
 
 from paraloom.compress.base import register
-from paraloom.compress.topk import check_density, count_kept, pack_sparse, scatter_sparse, unpack_sparse
+from paraloom.compress.topk import (
+    check_density,
+    count_kept,
+    pack_sparse,
+    scatter_sparse,
+    sum_sparse,
+    unpack_sparse,
+)
 from paraloom.errors import UserError
 
 MIN_SAMPLED_KEPT = 8  # the sample is grown until its own top set has this many entries (a stable quantile)
@@ -103,6 +110,10 @@ class DGCCompressor:
             values = torch.cat([values, values.new_zeros(pad)])
             chosen = torch.cat([chosen, chosen.new_zeros(pad)])
         return pack_sparse(values, chosen), (n, tensor.dtype, tensor.shape)
+
+    def decompress_sum(self, payloads: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
+        """Write the sum of the decoded rows of `payloads` (ranks x 8k bytes) into `out`, in one scatter."""
+        out.copy_(sum_sparse(payloads, ctx[0]).view_as(out))
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         n, dtype, shape = ctx

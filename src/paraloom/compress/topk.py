@@ -44,6 +44,14 @@ def scatter_sparse(values: torch.Tensor, indices: torch.Tensor, n: int, dtype: t
     return out.to(dtype).view(shape)
 
 
+def sum_sparse(payloads: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 sum over rows of `payloads` (each a `pack_sparse` payload of k elements) as n dense values."""
+    k = payloads.shape[1] // 8
+    values = payloads[:, : 4 * k].contiguous().view(torch.float32).reshape(-1)
+    indices = payloads[:, 4 * k:].contiguous().view(torch.int32).reshape(-1).long()
+    return torch.zeros(n, dtype=torch.float32, device=payloads.device).index_add_(0, indices, values)
+
+
 @register("topk")
 class TopKCompressor:
     """Keep the k largest-magnitude entries of gradient + residual (Stich, Cordonnier & Jaggi 2018,
@@ -66,11 +74,14 @@ class TopKCompressor:
         k = count_kept(n, self.density)
         indices = torch.topk(corrected.abs(), k, sorted=False).indices
         values = corrected[indices]
-        if self.memory is not None:
-            sent = torch.zeros_like(corrected)
-            sent[indices] = values
-            self.memory.remember(key, corrected, sent)
+        if self.memory is not None:  # the residual is what was not sent: corrected with the sent zeroed
+            self.memory.residual[key] = corrected.index_fill_(0, indices, 0.0)
         return pack_sparse(values, indices), (n, tensor.dtype, tensor.shape)
+
+    def decompress_sum(self, payloads: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
+        """Write the sum of the decoded rows of `payloads` (ranks x 8k bytes) into `out`, in one scatter."""
+        n, dtype, shape = ctx
+        out.copy_(sum_sparse(payloads, n).view_as(out))
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
         n, dtype, shape = ctx
@@ -122,10 +133,8 @@ class RandomKCompressor:
         corrected = self.memory.corrected(flat, key) if self.memory is not None else flat
         indices = self.indices(n, key, count).to(flat.device)
         values = corrected[indices]
-        if self.memory is not None:
-            sent = torch.zeros_like(corrected)
-            sent[indices] = values
-            self.memory.remember(key, corrected, sent)
+        if self.memory is not None:  # the residual is what was not sent: corrected with the sent zeroed
+            self.memory.residual[key] = corrected.index_fill_(0, indices, 0.0)
         return values, (indices, n, tensor.dtype, tensor.shape)
 
     def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from paraloom.comm.algorithms import all_gather, all_reduce
@@ -68,6 +67,11 @@ def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
                                 blocking, on_done)
 
         def finish() -> None:
-            decoded = [compressor.decompress(chunk, ctx).view_as(grad) for chunk in gathered.view(world, -1)]
-            torch.sum(torch.stack(decoded), dim=0, out=grad)
+            rows = gathered.view(world, -1)
+            if hasattr(compressor, "decompress_sum"):  # sparse payloads: one scatter for all ranks
+                compressor.decompress_sum(rows, ctx, grad)
+                return
+            grad.copy_(compressor.decompress(rows[0], ctx).view_as(grad))
+            for row in rows[1:]:  # in rank order on every rank, so every rank gets the same sum
+                grad.add_(compressor.decompress(row, ctx).view_as(grad))
     return CompressedWork(work, finish)
