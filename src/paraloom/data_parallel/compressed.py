@@ -21,7 +21,8 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 class CompressedWork:
-    """A launched compressed collective: `wait()` waits, decodes and writes the sum into the piece."""
+    """A launched compressed collective: `wait()` waits, then runs `finish` (decode and write the sum into
+    the piece; PowerSGD: its second round too) once."""
 
     def __init__(self, work, finish: Callable[[], None]) -> None:
         self.work = work

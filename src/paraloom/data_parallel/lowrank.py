@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from paraloom.comm.algorithms import all_reduce
 from paraloom.compress.powersgd import PowerSGDState
+from paraloom.data_parallel.compressed import CompressedWork
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,15 @@ class PowerSGDReducer:
         return [((piece.key << 20) | j, s) for j, s in enumerate(segments)
                 if s.rows and r * (s.rows + (s.stop - s.start) // s.rows) < s.stop - s.start]
 
-    def reduce(self, engine, piece, on_done=None) -> LowRankWork:
+    def reduce(self, engine, piece, on_done=None) -> CompressedWork:
         count = self.launches.get(piece.key, 0)
         self.launches[piece.key] = count + 1
         grad = piece.grad
         chosen = self.matrices(piece, count)
         if not chosen:  # plain all-reduce of the whole piece, in place
-            return LowRankWork(engine.all_reduce_async(grad, engine.piece_name(piece), on_done), None)
-        plain, edges = [], 0
+            work = engine.all_reduce_async(grad, engine.piece_name(piece), on_done)
+            return CompressedWork(work, lambda: None)
+        plain = []
         for segment in self.segments[piece.key]:
             if not (segment.rows and any(s is segment for _, s in chosen)):
                 plain.append(grad[segment.start: segment.stop])
@@ -99,7 +101,7 @@ class PowerSGDReducer:
         first = torch.cat([*(t.to(torch.float32) for t in plain), *p_parts])
         name = engine.piece_name(piece) + " (powersgd P)"
         work = _all_reduce(engine, first, engine.comm_group, name, on_done)
-        return LowRankWork(work, _Pending(self, engine, piece, chosen, plain, first, edges))
+        return CompressedWork(work, _Pending(self, engine, piece, chosen, plain, first, edges).finish)
 
 
 class _Pending:
@@ -139,22 +141,3 @@ def _all_reduce(engine, tensor: torch.Tensor, group, name: str, on_done):
     return engine.run_async(name, tensor.numel() * tensor.element_size(),
                             lambda: dist.all_reduce(tensor, group=group, async_op=True),
                             lambda: all_reduce(tensor, algorithm=engine.algorithm, group=group), on_done)
-
-
-class LowRankWork:
-    """A launched PowerSGD piece: `wait()` waits for P, runs the Q round and writes the sum back."""
-
-    def __init__(self, work, pending: _Pending | None) -> None:
-        self.work, self._pending, self._done = work, pending, False
-        if hasattr(work, "get_future"):  # lets the priority issuer hear of completion
-            self.get_future = work.get_future
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> None:
-        if not self._done:
-            self.work.wait()
-            if self._pending is not None:
-                self._pending.finish()
-            self._done = True
