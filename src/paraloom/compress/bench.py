@@ -58,6 +58,7 @@ def codec_seconds(variant: str, pieces: list, world: int) -> float:
     import torch
 
     from paraloom.compress import make_compressor
+    from paraloom.data_parallel.compressed import decode_sum
 
     if variant == "ddp":
         return 0.0
@@ -76,8 +77,8 @@ def codec_seconds(variant: str, pieces: list, world: int) -> float:
                 payload, ctx = compressor.compress(piece, key)
                 if compressor.summable:
                     compressor.decompress(payload, ctx)
-                else:
-                    torch.stack([compressor.decompress(payload, ctx) for _ in range(world)]).sum(dim=0)
+                else:  # the engine's decode of `world` gathered payloads
+                    decode_sum(compressor, payload.expand(world, -1), ctx, torch.empty_like(piece))
     once()  # first call: allocations, error-feedback memory
     times = []
     for _ in range(CODEC_REPEATS):
@@ -95,7 +96,8 @@ def measure(options: dict[str, Any]) -> None:
 
     from paraloom.data import ShardedBatches, load_dataset
     from paraloom.data_parallel import DataParallel
-    from paraloom.train.trainer import batch_loss
+    from paraloom.topology import Topology
+    from paraloom.train.trainer import batch_loss, evaluate
 
     if options.get("interface"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", options["interface"])
@@ -106,15 +108,7 @@ def measure(options: dict[str, Any]) -> None:
     batches = ShardedBatches(len(split.y_train), options["batch"], rank=rank, world=world, seed=0)
     hidden, depth, epochs = options["hidden"], options["depth"], options["epochs"]
 
-    @torch.no_grad()
-    def accuracy(model) -> float:
-        model.eval()
-        x = split.x_test.tensor_split(world)[rank]
-        y = split.y_test.tensor_split(world)[rank]
-        correct = torch.tensor(float((model(x).argmax(dim=1) == y).sum()), dtype=torch.float64)
-        dist.all_reduce(correct)
-        model.train()
-        return float(correct) / len(split.y_test)
+    groups = Topology.for_world(world).init_groups()
 
     # the two sides of a step: computation alone, one fp32 all-reduce of all gradients
     torch.manual_seed(0)
@@ -179,7 +173,7 @@ def measure(options: dict[str, Any]) -> None:
             if not is_ddp:
                 engine.finish()
             train_s += _max(time.perf_counter() - start)
-            accs.append(accuracy(model))
+            accs.append(evaluate(model, split, groups))
             if tta is None and accs[-1] >= options["target"]:
                 tta = train_s
         if is_ddp:

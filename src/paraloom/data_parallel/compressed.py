@@ -12,12 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from paraloom.comm.algorithms import all_gather, all_reduce
 
 # torch 2.13 renamed the flat collective; older releases (>= 2.4) have only the second name
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def decode_sum(compressor, rows: torch.Tensor, ctx, out: torch.Tensor) -> None:
+    """Write the sum of the decoded payloads in `rows` (ranks x payload bytes) into `out`."""
+    if hasattr(compressor, "decompress_sum"):  # sparse payloads: one scatter for all ranks
+        compressor.decompress_sum(rows, ctx, out)
+        return
+    out.copy_(compressor.decompress(rows[0], ctx).view_as(out))
+    for row in rows[1:]:  # in rank order on every rank, so every rank gets the same sum
+        out.add_(compressor.decompress(row, ctx).view_as(out))
 
 
 class CompressedWork:
@@ -68,11 +79,5 @@ def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
                                 blocking, on_done)
 
         def finish() -> None:
-            rows = gathered.view(world, -1)
-            if hasattr(compressor, "decompress_sum"):  # sparse payloads: one scatter for all ranks
-                compressor.decompress_sum(rows, ctx, grad)
-                return
-            grad.copy_(compressor.decompress(rows[0], ctx).view_as(grad))
-            for row in rows[1:]:  # in rank order on every rank, so every rank gets the same sum
-                grad.add_(compressor.decompress(row, ctx).view_as(grad))
+            decode_sum(compressor, gathered.view(world, -1), ctx, grad)
     return CompressedWork(work, finish)
