@@ -116,7 +116,7 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
                     budget_s: float = 3.0, timeout_s: float = 600.0,
                     progress: bool = True) -> dict[str, Any]:
     """Measure the link, then every algorithm at every size; returns the JSON-ready report."""
-    from paraloom.cluster.launch import link_throughput, torchrun_on_cluster
+    from paraloom.cluster.launch import BENCH_RESTARTS, link_throughput, torchrun_on_cluster
     from paraloom.launch import elastic_run
 
     largest = max(sizes)
@@ -130,7 +130,7 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
                    "progress": progress, "interface": None if cluster else "lo"}
         if cluster is not None:
             torchrun_on_cluster(cluster, ["paraloom.comm.bench", "--options", json.dumps(options)],
-                                log_dir=Path(tmp))
+                                log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
         else:
             elastic_run(measure, (options,), nproc=nproc)
         measured = json.loads(Path(options["results_path"]).read_text())

@@ -205,7 +205,7 @@ def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, bat
     """Launch `measure` on `cluster` (one worker per node) or on `nproc` loopback workers."""
     import tempfile
 
-    from paraloom.cluster.launch import torchrun_on_cluster
+    from paraloom.cluster.launch import BENCH_RESTARTS, torchrun_on_cluster
     from paraloom.launch import elastic_run
 
     unknown = set(variants) - set(VARIANTS)
@@ -217,7 +217,7 @@ def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, bat
                    "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo"}
         if cluster is not None:
             torchrun_on_cluster(cluster, ["paraloom.compress.bench", "--options", json.dumps(options)],
-                                log_dir=Path(tmp))
+                                log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
         else:
             elastic_run(measure, (options,), nproc=nproc)
         out = json.loads(Path(options["results_path"]).read_text())

@@ -135,7 +135,7 @@ def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, bat
         engine_options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     import tempfile
 
-    from paraloom.cluster.launch import torchrun_on_cluster
+    from paraloom.cluster.launch import BENCH_RESTARTS, torchrun_on_cluster
     from paraloom.launch import elastic_run
 
     with tempfile.TemporaryDirectory(prefix="paraloom-dpbench-") as tmp:
@@ -145,7 +145,7 @@ def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, bat
                    "trace_dir": trace_dir, "engine_options": engine_options or {}}
         if cluster is not None:
             torchrun_on_cluster(cluster, ["paraloom.data_parallel.bench", "--options", json.dumps(options)],
-                                log_dir=Path(tmp))
+                                log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
         else:
             elastic_run(measure, (options,), nproc=nproc)
         out = json.loads(Path(options["results_path"]).read_text())
