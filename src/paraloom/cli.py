@@ -47,9 +47,20 @@ def train(
         metavar="NODESxRATE", help="bring up an emulated cluster for this run, e.g. 4x1gbit")] = None,
     trace: Annotated[bool, typer.Option(
         "--trace", help="write a Chrome trace per rank (run.trace=true); see `paraloom report`")] = False,
+    resume: Annotated[Path | None, typer.Option(
+        metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest whole checkpoint")] = None,
+    inject: Annotated[list[str] | None, typer.Option(
+        metavar="FAULT", help="inject a fault (repeatable): kill:rank=1,step=30, hang:rank=2,"
+                              "step=10, nan:rank=0,step=5, slow:rank=1,factor=2.0, "
+                              "slow:rank=random,factor=2.0")] = None,
 ) -> None:
     """Train a model with local worker processes; writes runs/<name>/."""
     started_at = time.time()
+    if resume is not None:
+        if config is not None:
+            raise UserError("give a config file or --resume RUN_DIR, not both: "
+                            "a resumed run keeps its config")
+        config = _resumable(resume) / "config.yaml"
     overrides = list(set_ or [])
     if nproc is not None:
         if nproc < 1:
@@ -60,13 +71,41 @@ def train(
     if trace:
         overrides.append("run.trace=true")
     cfg = load_config(config, overrides)
+    if inject:
+        import dataclasses
+
+        joined = "; ".join(part for part in [cfg.run.inject, *inject] if part)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, inject=joined))
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     with _cluster_from_options(cluster, emulate) as nodes:
         world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
         cfg.validate_world(world)
-        summary, run_dir = _train_on(cfg, nodes, world, started_at)
+        _check_fault_steps(cfg, world)
+        summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
+
+
+def _resumable(run_dir: Path) -> Path:
+    if not (run_dir / "config.yaml").is_file():
+        what = "does not exist" if not run_dir.exists() else "is not a run directory (no config.yaml)"
+        raise UserError(f"--resume {str(run_dir)!r} {what}; give runs/<name> of an earlier `paraloom train`")
+    return run_dir
+
+
+def _check_fault_steps(cfg, world: int) -> None:
+    """Injected faults must name a step the run reaches (the data set's size decides how many)."""
+    if cfg.run.inject is None:
+        return
+    import dataclasses
+
+    from paraloom.data import load_dataset
+    from paraloom.train.faults import check_faults, parse_faults
+    from paraloom.train.trainer import planned_steps
+
+    data = dataclasses.asdict(cfg.data)
+    size = len(load_dataset(data.pop("name"), **data).y_train)
+    check_faults(parse_faults(cfg.run.inject), world, planned_steps(cfg, size))
 
 
 @contextlib.contextmanager
@@ -93,10 +132,10 @@ def _free_cluster_name(existing) -> str:
     return next(f"emu{i}" for i in range(1000) if f"emu{i}" not in existing)
 
 
-def _train_on(cfg, nodes, world: int, started_at: float):
+def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None):
     from paraloom.rundir import new_run_dir
 
-    run_dir = new_run_dir(cfg, world=world)
+    run_dir = resume if resume is not None else new_run_dir(cfg, world=world)
     where = f"on {nodes.describe()}" if nodes else "on this machine"
     Console(stderr=True).print(f"paraloom: {world} workers {where}, {cfg.model.name} on {cfg.data.name}, "
                                f"run directory {run_dir}", highlight=False, soft_wrap=True)
@@ -108,7 +147,8 @@ def _train_on(cfg, nodes, world: int, started_at: float):
 
     torchrun_on_cluster(nodes, ["paraloom.worker", str(run_dir / "config.yaml"), "--run-dir",
                                 str(run_dir), "--started-at", repr(started_at)],
-                        log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc)
+                        log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc,
+                        max_restarts=cfg.run.max_restarts)
     return json.loads((run_dir / "summary.json").read_text()), run_dir
 
 

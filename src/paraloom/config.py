@@ -35,10 +35,21 @@ class RunConfig:
     save_model: bool = True  # write the final model state to model.pt
     trace: bool = False  # write a Chrome trace per rank (runs/<name>/trace/rank<r>.json)
     trace_steps: int = 5  # steps traced, starting at the second step
+    checkpoint_every: int = 50  # steps between checkpoints (0: only at the end); see train/checkpoint.py
+    keep_checkpoints: int = 3  # newest checkpoints kept in runs/<name>/checkpoints
+    max_restarts: int = 3  # elastic restarts after a worker fails (each resumes from the last checkpoint)
+    inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
         _positive(self, "trace_steps")
+        _positive(self, "keep_checkpoints")
+        if self.checkpoint_every < 0 or self.max_restarts < 0:
+            raise UserError("run.checkpoint_every and run.max_restarts must not be negative")
+        if self.inject is not None:
+            from paraloom.train.faults import parse_faults
+
+            parse_faults(self.inject)
         if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
             raise UserError(f"run.name={self.name!r} must be a plain directory name")
 
@@ -161,6 +172,15 @@ class CommConfig:
 
 
 @dataclass(kw_only=True)
+class GuardConfig:
+    nan: bool = True  # skip (on every rank) a step whose gradients hold NaN or Inf anywhere
+    max_bad_steps: int = 5  # stop after this many skipped steps in a row
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_bad_steps")
+
+
+@dataclass(kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -168,6 +188,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -199,6 +220,10 @@ class Config:
             raise UserError(
                 f"data.batch_size={self.data.batch_size} cannot be split across {world_size} "
                 f"workers; choose a multiple of {world_size}, e.g. {near}")
+        if self.run.inject is not None:
+            from paraloom.train.faults import check_faults, parse_faults
+
+            check_faults(parse_faults(self.run.inject), world_size)
         if self.model.name == "cnn" and self.data.name == "synthetic":
             raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
                             "use model.name=mlp")

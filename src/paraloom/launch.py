@@ -16,27 +16,48 @@ from paraloom.errors import WorkersFailed
 
 
 def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int,
-                host: str = "127.0.0.1") -> dict[int, Any]:
+                host: str = "127.0.0.1", max_restarts: int = 0) -> dict[int, Any]:
     """Run `fn(*args)` on `nproc` local workers; returns each rank's result.
 
     Rendezvous stays on `host` (loopback by default): nothing listens beyond this machine.
     `fn` must be importable (workers are spawned) and set GLOO_SOCKET_IFNAME itself if needed.
+    When a worker fails, the agent stops the others and starts all of them again, up to
+    `max_restarts` times (each start sees TORCHELASTIC_RESTART_COUNT).
     """
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
-        local_addr=host, max_restarts=0, monitor_interval=0.1, start_method="spawn")
+        local_addr=host, max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
     try:
         return elastic_launch(launch, fn)(*args)
     except ChildFailedError as exc:
-        rank, failure = min(exc.failures.items())
-        raise WorkersFailed(f"worker rank {rank} failed (exit code {failure.exitcode})",
-                            failure.exitcode) from None
+        rank, failure = min(exc.failures.items(), key=_first_cause)
+        cause = _cause(failure)
+        raise WorkersFailed(f"worker rank {rank} failed (exit code {failure.exitcode})"
+                            + (f": {cause}" if cause else ""), failure.exitcode) from None
+
+
+def _first_cause(item: tuple[int, Any]) -> tuple[int, int]:
+    """Order failures: ranks that raised an error of their own before ranks that were killed."""
+    rank, failure = item
+    return (0 if _cause(failure) else 1, rank)
+
+
+def _cause(failure: Any) -> str:
+    """The last line of a failed worker's error (its exception type and message), if recorded."""
+    message = getattr(failure, "message", None)
+    if isinstance(message, dict):
+        message = message.get("message")
+    if not isinstance(message, str) or not message.strip() or message.startswith("Signal"):
+        return ""
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    return lines[-1].strip()[:500] if lines else ""
 
 
 def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
                  interface: str = "lo") -> dict[str, Any]:
     """Train with `cfg.parallel.nproc` workers on this machine; returns rank 0's summary."""
     results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
-                                       cfg.comm.interface or interface), nproc=cfg.parallel.nproc)
+                                       cfg.comm.interface or interface), nproc=cfg.parallel.nproc,
+                          max_restarts=cfg.run.max_restarts)
     return results[0]

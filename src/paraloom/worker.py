@@ -42,7 +42,17 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # gloo reads its interface here
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=comm.timeout_s))
+    timeout = timedelta(seconds=comm.timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # The elastic agent's store outlives a restart, and the keys gloo's first attempt left there
+    # (each rank's address) would send the new ranks to dead ports (seen: a 25-minute hang in
+    # connectFullMesh after a restart). Every attempt gets keys of its own.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"paraloom/attempt-{attempt}/", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def run(config: dict[str, Any], run_dir: str | None, started_at: float,
@@ -83,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate_world(int(os.environ.get("WORLD_SIZE", "1")))
         run_dir = None
         if int(os.environ.get("RANK", "0")) == 0:
-            run_dir = new_run_dir(cfg, Path(args.run_dir) if args.run_dir else None,
-                                  world=int(os.environ.get("WORLD_SIZE", "1")))
+            given = Path(args.run_dir) if args.run_dir else None
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            if given is not None and (restarted or (given / "checkpoints").is_dir()):
+                run_dir = given  # a restart, or --resume: the run continues in its directory
+            else:
+                run_dir = new_run_dir(cfg, given, world=int(os.environ.get("WORLD_SIZE", "1")))
         run(cfg.to_dict(), str(run_dir) if run_dir else None, started_at)
     except UserError as exc:
         print(f"paraloom: error: {exc}", file=sys.stderr)

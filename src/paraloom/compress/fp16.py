@@ -18,6 +18,7 @@ class _CastCompressor:
 
     wire_dtype: torch.dtype
     summable = True
+    state_fields = ("memory",)
 
     def __init__(self, *, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None

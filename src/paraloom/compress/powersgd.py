@@ -46,6 +46,8 @@ class PowerSGDState:
     False and callers send gradients plainly (no error is recorded then, as in the paper's warm-up).
     """
 
+    state_fields = ("iteration", "errors", "q_memory", "calls")
+
     def __init__(self, rank: int = 2, start_iter: int = 10, warm_start: bool = True,
                  error_feedback: bool = True, seed: int = 0) -> None:
         if rank < 1:

@@ -66,6 +66,7 @@ class QSGDCompressor:
     """
 
     summable = False
+    state_fields = ("memory", "steps")
 
     def __init__(self, *, bits: int = 8, block: int = 512, error_feedback: bool = False,
                  seed: int = 0) -> None:

@@ -30,6 +30,7 @@ class _SignCompressor(ABC):
 
     summable = False
     n_scales: int
+    state_fields = ("memory",)
 
     def __init__(self, *, block: int = 512, error_feedback: bool = True) -> None:
         self.block = check_block(block)

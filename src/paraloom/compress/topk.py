@@ -58,6 +58,7 @@ class TopKCompressor:
     "Sparsified SGD with Memory"; Aji & Heafield 2017). Payloads are all-gathered (not summable)."""
 
     summable = False
+    state_fields = ("memory",)
 
     def __init__(self, density: float = 0.01, error_feedback: bool = True) -> None:
         self.density = check_density(density)
@@ -109,6 +110,7 @@ class RandomKCompressor:
     test accuracy against 98% uncompressed)."""
 
     summable = True
+    state_fields = ("memory", "calls")
 
     def __init__(self, density: float = 0.1, error_feedback: bool = True, seed: int = 0) -> None:
         self.density = check_density(density)

@@ -73,6 +73,23 @@ class DelayedMode(SyncMode):
             self.in_flight.append((bucket, bucket.buffer, work))
             bucket.swap_buffers()  # the next step accumulates into the other (zeroed) buffer
 
+    replicas_identical = False  # the model holds W_l, moved by this rank's own gradient
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """W_g and the summed gradients of the last step (waited for, not yet applied)."""
+        for _bucket, _buffer, work in self.in_flight:
+            work.wait()
+        return {"global": list(self.global_params),
+                "in_flight": [buffer for _bucket, buffer, _work in self.in_flight]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        for global_buffer, saved in zip(self.global_params, state["global"], strict=True):
+            global_buffer.copy_(saved)
+        self.in_flight = [(bucket, saved.clone(), DONE)
+                          for bucket, saved in zip(self.engine.buckets, state["in_flight"], strict=False)]
+
     @torch.no_grad()
     def finish(self) -> None:
         if self.in_flight:

@@ -131,6 +131,8 @@ class DataParallel(nn.Module):
         else:
             self._executor = Executor(self.policy)
         self._thread = CommThread() if algorithm != "native" and self.world_size > 1 else None
+        self._nonfinite: torch.Tensor | None = None  # set by guard_nonfinite(): a flag the grad hooks raise
+        self._guard_group: dist.ProcessGroup | None = None
         self._sync = True  # False inside no_sync()
         self.reduce_in_backward = True  # the sync mode turns this off for steps without gradient traffic
         self.copies = 0  # gradients that arrived outside their bucket and had to be copied in
@@ -191,6 +193,8 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot[p]
         self.copies += bucket.bind(slot)
+        if self._nonfinite is not None:  # before the gradient can be sent anywhere
+            self._nonfinite.logical_or_(~torch.isfinite(p.grad).all())
         if not (self._sync and self.reduce_in_backward):
             return
         if slot in bucket.seen:
@@ -288,10 +292,48 @@ class DataParallel(nn.Module):
                 bucket.buffer.div_(self.world_size)
         self._reset()
 
+    def guard_nonfinite(self, group: dist.ProcessGroup | None = None) -> None:
+        """From now on `step()` skips, on every rank alike, a step whose gradients hold NaN or Inf
+        on any rank: the backward hooks raise a local flag (no sync), and `step()` all-reduces it
+        on `group` (one byte; made here when not given, a second group over the same ranks, so the
+        flag never interleaves with the engine's own collectives)."""
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.buckets[0].buffer.device
+                                      if self.buckets else None)
+        if self.world_size > 1:
+            self._guard_group = group if group is not None else private_group(self.group)
+
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After backward: synchronize as the sync mode says, update with `optimizer`, zero gradients."""
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """After backward: synchronize as the sync mode says, update with `optimizer`, zero gradients.
+
+        Returns False when the non-finite guard (`guard_nonfinite`) skipped the step.
+        """
+        if self._nonfinite is not None:
+            flag = self._nonfinite.to(torch.uint8)
+            self._nonfinite.zero_()
+            if self._guard_group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._guard_group)
+            if flag.item():
+                self.skip_step()
+                return False
         self.mode.step(optimizer)
+        return True
+
+    @torch.no_grad()
+    def skip_step(self) -> None:
+        """Drop this step's gradients: wait for what is in flight, reset, zero; no update.
+
+        Error-feedback memories that the bad gradients reached are dropped with them.
+        """
+        if self.reduce_in_backward and self._sync:
+            self.complete_missing()
+            self._executor.wait_all(self.n_pieces)
+        self._reset()
+        self.zero_grad()
+        if self.compressor is not None:
+            from paraloom.compress.state import drop_nonfinite
+
+            drop_nonfinite(self.compressor)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -302,6 +344,31 @@ class DataParallel(nn.Module):
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
+
+    def state_dict(self) -> dict:
+        """This rank's communication state for a checkpoint: the sync mode's and the compressor's.
+
+        Call between steps. In-flight collectives are waited for; nothing a later step computes
+        changes (parameters and optimizer state are the caller's to save).
+        """
+        from paraloom.compress.state import state_dict_of
+
+        return {"mode": self.mode.state_dict(),
+                "compressor": state_dict_of(self.compressor) if self.compressor is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        from paraloom.compress.state import load_state_of
+
+        self.mode.load_state_dict(state["mode"])
+        if (state["compressor"] is None) != (self.compressor is None):
+            raise ValueError("the checkpoint's compressor setting differs from this engine's")
+        if self.compressor is not None:
+            load_state_of(self.compressor, state["compressor"])
+
+    @property
+    def replicas_identical(self) -> bool:
+        """Whether parameters and optimizer state are equal on every rank between steps."""
+        return self.mode.replicas_identical
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -44,6 +44,15 @@ class LocalSGDMode(SyncMode):
         self.steps += 1
         engine.reduce_in_backward = self.steps < self.warmup
 
+    replicas_identical = False  # local steps make the replicas (and their optimizers) differ
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "unaveraged": self.unaveraged}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.unaveraged = int(state["steps"]), bool(state["unaveraged"])
+        self.engine.reduce_in_backward = self.steps < self.warmup
+
     @torch.no_grad()
     def finish(self) -> None:
         if self.unaveraged:

@@ -62,6 +62,7 @@ class PowerSGDReducer:
 
     name = "powersgd"
     summable = True  # the payloads are summed (all-reduced)
+    state_fields = ("state", "launches")
 
     def __init__(self, rank: int = 2, start_iter: int = 10, warm_start: bool = True,
                  error_feedback: bool = True, seed: int = 0) -> None:

@@ -54,6 +54,17 @@ class SyncMode:
     def finish(self) -> None:
         pass
 
+    # ---- checkpoints: a mode's state between steps, without changing what later steps compute
+
+    replicas_identical = True  # parameters and optimizer state equal on every rank between steps
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got {sorted(state)}")
+
 
 def make_mode(engine, *, sync: str, scheduler: str, shard_optimizer: bool, local_steps: int,
               local_warmup: int, credit_mb: float, delay_lr: float | None):

@@ -42,16 +42,42 @@ class DataParallelNaive(nn.Module):
             all_reduce(p.grad, group=self.group, op=dist.ReduceOp.AVG, algorithm=self.algorithm,
                        stats=self.stats)
 
+    guard = False  # guard_nonfinite(): skip steps with NaN/Inf gradients on any rank
+
+    def guard_nonfinite(self) -> None:
+        self.guard = True
+
     @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Average gradients, step, zero the gradients: the same contract as DataParallel.step."""
+        if self.guard:
+            bad = torch.zeros((), dtype=torch.uint8)
+            for p in self._params:
+                if p.grad is not None:
+                    bad |= ~torch.isfinite(p.grad).all()
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+            if bad.item():
+                for p in self._params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+                return False
         self.sync_gradients()
         optimizer.step()
         for p in self._params:
             p.grad.zero_()
+        return True
 
     def finish(self) -> None:
         """Nothing is ever left in flight."""
+
+    replicas_identical = True  # synchronous: every rank holds the same parameters between steps
+
+    def state_dict(self) -> dict:
+        return {"mode": {}, "compressor": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["mode"] or state["compressor"] is not None:
+            raise ValueError("the checkpoint holds engine state that the naive engine does not keep")
 
     def close(self) -> None:
         """Nothing to release; here so every engine can be closed the same way."""

@@ -117,6 +117,14 @@ class PriorityMode(SyncMode):
         if self.pending:
             self.apply(list(self.pending))
 
+    def state_dict(self) -> dict:
+        """Deferred updates are applied now: elementwise, they give what the next forward would."""
+        self.finish()
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+
 
 def step_some(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], lrs: list[float]) -> None:
     """`optimizer.step()` for `params` only, at learning rates `lrs` (one per param group).

@@ -60,6 +60,9 @@ class ShardedMode(SyncMode):
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         if self.inner is None:
             self.inner = type(optimizer)(self.shards, **hyper)
+            saved, self._saved_inner = getattr(self, "_saved_inner", None), None
+            if saved is not None:
+                self.inner.load_state_dict(saved)
         else:
             self.inner.param_groups[0].update(hyper)
         return self.inner
@@ -91,6 +94,13 @@ class ShardedMode(SyncMode):
         for work in works:
             work.wait()
         engine.zero_grad()
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state."""
+        return {"inner": self.inner.state_dict() if self.inner is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._saved_inner = state["inner"]  # loaded once step() has made the inner optimizer
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,12 @@ from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.topology import RankGroups, Topology
 from paraloom.trace import Timeline, trace_modules
+from paraloom.train.checkpoint import agree_on_checkpoint, broadcast_text, load_checkpoint, save_checkpoint
+from paraloom.train.faults import FaultInjector, parse_faults
+from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
+from paraloom.train.resume import ProgressMarker, capture, read_resumes, record_resume, restore
 
 
 def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups, stats: CommStats, timeline=None,
@@ -78,19 +84,38 @@ def evaluate(model: nn.Module, split: Split, groups: RankGroups, batch: int = 10
 
 def shared_run_dir(run_dir: Path | None) -> Path | None:
     """Global rank 0's run directory, on every rank (under torchrun only rank 0 is given it)."""
-    box = [str(run_dir.resolve()) if run_dir is not None and dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0]) if box[0] is not None else None
+    text = broadcast_text(str(run_dir.resolve()) if run_dir is not None and dist.get_rank() == 0 else None)
+    return Path(text) if text is not None else None
+
+
+def planned_steps(cfg: Config, dataset_size: int) -> int:
+    """Optimizer steps of the whole run for a training set of `dataset_size` samples."""
+    steps = cfg.optim.epochs * -(-dataset_size // cfg.data.batch_size)
+    return min(steps, cfg.optim.max_steps) if cfg.optim.max_steps is not None else steps
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MB (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
           started_at: float | None = None) -> dict[str, Any]:
-    """Run the whole job on this rank; rank 0 writes the run directory and returns the summary."""
+    """Run the whole job on this rank; rank 0 writes the run directory and returns the summary.
+
+    With a run directory, the job checkpoints every `run.checkpoint_every` steps and at the end,
+    and starts from the newest whole checkpoint it finds there (a restart or `--resume`).
+    """
     started_at = time.time() if started_at is None else started_at
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
     groups = Topology.for_world(world).init_groups()
     torch.manual_seed(cfg.run.seed)
+    run_dir = shared_run_dir(run_dir)
 
     data_kwargs = dataclasses.asdict(cfg.data)
     split = load_dataset(data_kwargs.pop("name"), **data_kwargs).to(device)
@@ -99,90 +124,161 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                         **model_kwargs).to(device)
     timeline = None
     if cfg.run.trace:
-        trace_dir = shared_run_dir(run_dir)
-        if trace_dir is None:
+        if run_dir is None:
             raise UserError("run.trace=true needs a run directory; give train() one on rank 0")
-        trace_dir = trace_dir / "trace"
+        trace_dir = run_dir / "trace"
         timeline = Timeline(rank)
         trace_modules(model, timeline)  # the bare model: its layers, not the engine's wrapper
     stats = CommStats()
     engine = make_engine(model, cfg.comm, groups, stats, timeline, cfg.optim)
+    if cfg.guard.nan:
+        engine.guard_nonfinite()
     stats.take()  # the initial broadcast is not a training step's traffic
     optimizer = make_optimizer(cfg.optim, model.parameters(), cfg.comm)
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank,
                              world=groups.dp_world_size, seed=cfg.run.seed,
                              shuffle=cfg.data.shuffle)
-    total_steps = cfg.optim.epochs * len(batches)
-    if cfg.optim.max_steps is not None:
-        total_steps = min(total_steps, cfg.optim.max_steps)
+    total_steps = planned_steps(cfg, len(split.y_train))
+    faults = FaultInjector(parse_faults(cfg.run.inject) if cfg.run.inject else [], rank=rank,
+                           world_size=world, seed=cfg.run.seed, run_dir=run_dir)
+
+    step = 0
+    counters: dict[str, Any] = {"samples": 0, "comm_bytes": 0, "comm_seconds": 0.0, "skipped": 0,
+                                "loss": None}
+    resumed = agree_on_checkpoint(run_dir)
+    if resumed is not None:
+        shared, local = load_checkpoint(run_dir, resumed, rank, device)
+        step, counters = restore(model, optimizer, engine, shared, local, device)
+        if is_main:
+            record_resume(run_dir, step)
+            print(f"paraloom: resuming from checkpoint step {step} of {total_steps}", file=sys.stderr)
+        stats.take()
+
+    def checkpoint() -> None:
+        shared, local = capture(model, optimizer, engine, step=step, counters=counters, device=device)
+        save_checkpoint(run_dir, step, local=local, shared=shared if is_main else None,
+                        keep=cfg.run.keep_checkpoints)
 
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if is_main and run_dir else None
+    marker = ProgressMarker(run_dir) if is_main and run_dir else None
     progress = TrainProgress(total_steps, enabled=is_main)
-    step, samples, comm_bytes_total, comm_seconds_total = 0, 0, 0, 0.0
-    logged_step, logged_samples, logged_at = 0, 0, time.perf_counter()
-    loss_value: float | None = None
-    loop_start = time.perf_counter()
+    logged_step, logged_samples, logged_at = step, counters["samples"], time.perf_counter()
+    loop_start, samples_at_start = time.perf_counter(), counters["samples"]
+    bad_in_row, operation = 0, "start"
+    per_epoch = len(batches)
     try:
-        for epoch in range(cfg.optim.epochs):
-            for local_idx, global_count in batches.epoch(epoch):
+        for epoch in range(step // per_epoch, cfg.optim.epochs):
+            order = batches.epoch(epoch)
+            if epoch == step // per_epoch:
+                order = itertools.islice(order, step % per_epoch, None)  # the resumed position
+            for local_idx, global_count in order:
                 if step == total_steps:
                     break
+                faults.before_step(step + 1)
                 if timeline is not None:  # steps 2 .. 1 + trace_steps (1-based)
                     timeline.active = 1 <= step <= cfg.run.trace_steps
                     step_start = timeline.now()
+                computed_from = time.perf_counter()
+                operation = "forward and backward (gradient all-reduce)"
                 local_idx = local_idx.to(device)
                 x, y = split.x_train[local_idx], split.y_train[local_idx]
                 loss, loss_sum = batch_loss(engine, x, y, global_count=global_count,
                                             dp_world_size=groups.dp_world_size)
+                if faults.poison(step + 1):
+                    loss = loss * float("nan")
                 loss.backward()
-                engine.step(optimizer)  # synchronize, update, zero the gradients (bucket views)
+                slow = faults.slow_factor(step + 1)
+                if slow > 1.0:
+                    time.sleep((slow - 1.0) * (time.perf_counter() - computed_from))
+                operation = "gradient synchronization and update"
+                stepped = engine.step(optimizer)  # synchronize, update, zero the gradients (bucket views)
                 step += 1
+                bad_in_row = 0 if stepped else bad_in_row + 1
+                if not stepped:
+                    counters["skipped"] += 1
+                    if is_main:
+                        print(f"paraloom: warning: step {step} skipped: non-finite gradients",
+                              file=sys.stderr)
+                    if bad_in_row >= cfg.guard.max_bad_steps:
+                        where = run_dir / "checkpoints" if run_dir else "nowhere (no run directory)"
+                        raise TooManyBadSteps(
+                            f"{bad_in_row} steps in a row (up to step {step}) had NaN or Inf gradients; "
+                            f"stopping (guard.max_bad_steps={cfg.guard.max_bad_steps}). The last good "
+                            f"checkpoint is the newest in {where}")
                 if timeline is not None:
                     timeline.span(f"step {step}", "step", step_start, timeline.now())
-                samples += global_count
+                if marker is not None:
+                    marker.mark(step)
+                counters["samples"] += global_count
                 if step % cfg.run.log_every == 0 or step == total_steps:
+                    operation = "metrics reduction"
                     dist.all_reduce(loss_sum, group=groups.dp_group)  # metric only, not counted
-                    loss_value = float(loss_sum) / global_count
+                    rss = torch.tensor([resident_mb()], dtype=torch.float64)
+                    rss_all = [torch.zeros_like(rss) for _ in range(world)]
+                    dist.all_gather(rss_all, rss)
+                    counters["loss"] = float(loss_sum) / global_count
                     now = time.perf_counter()
-                    rate = (samples - logged_samples) / max(now - logged_at, 1e-9)
+                    rate = (counters["samples"] - logged_samples) / max(now - logged_at, 1e-9)
                     comm = stats.take()
                     steps_since = step - logged_step
-                    comm_bytes_total += comm.bytes
-                    comm_seconds_total += comm.seconds
+                    counters["comm_bytes"] += comm.bytes
+                    counters["comm_seconds"] += comm.seconds
                     if logger is not None:
-                        logger.log({"step": step, "epoch": epoch, "loss": loss_value,
+                        logger.log({"step": step, "epoch": epoch, "loss": counters["loss"],
                                     "lr": optimizer.param_groups[0]["lr"],
                                     "samples_per_s": rate,
                                     "comm_bytes": comm.bytes / steps_since,
-                                    "comm_seconds": comm.seconds / steps_since})
-                    logged_step, logged_samples, logged_at = step, samples, now
-                progress.update(step, loss=loss_value,
-                                samples_per_s=samples / max(time.perf_counter() - loop_start, 1e-9),
-                                epoch=epoch)
+                                    "comm_seconds": comm.seconds / steps_since,
+                                    "skipped_steps": counters["skipped"],
+                                    "rss_mb": [round(float(r), 1) for r in rss_all]})
+                    logged_step, logged_samples, logged_at = step, counters["samples"], now
+                if run_dir is not None and cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0 \
+                        and step < total_steps:
+                    operation = "checkpoint"
+                    checkpoint()
+                done = counters["samples"] - samples_at_start
+                progress.update(step, loss=counters["loss"], epoch=epoch,
+                                samples_per_s=done / max(time.perf_counter() - loop_start, 1e-9))
+        operation = "final synchronization"
         engine.finish()  # deferred updates and the last delayed all-reduce land before evaluating
         train_seconds = time.perf_counter() - loop_start
         if timeline is not None:
             timeline.active = False
+        operation = "evaluation"
         accuracy = evaluate(model, split, groups)
+        if run_dir is not None and resumed != step:
+            operation = "final checkpoint"
+            checkpoint()
+    except Exception as exc:
+        if world > 1 and is_comm_failure(exc) and not isinstance(exc, (PeerFailure, TooManyBadSteps)):
+            raise peer_failure(exc, rank=rank, world=world, step=step + 1, operation=operation,
+                               timeout_s=cfg.comm.timeout_s) from None
+        raise
     finally:
         engine.close()
         progress.close()
         if logger is not None:
             logger.close()
+        if marker is not None:
+            marker.close()
 
+    resumes = read_resumes(run_dir)
     summary = {
         "test_accuracy": accuracy,
-        "final_loss": loss_value,
+        "final_loss": counters["loss"],
         "steps": step,
         "epochs": cfg.optim.epochs,
-        "samples": samples,
+        "samples": counters["samples"],
         "world_size": world,
         "wall_seconds": time.time() - started_at,
         "train_seconds": train_seconds,
-        "samples_per_second": samples / train_seconds if train_seconds > 0 else 0.0,
-        "comm_bytes_per_step": comm_bytes_total / max(step, 1),
-        "comm_seconds_per_step": comm_seconds_total / max(step, 1),
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "samples_per_second": ((counters["samples"] - samples_at_start) / train_seconds
+                               if train_seconds > 0 else 0.0),  # of this process's part of the run
+        "comm_bytes_per_step": counters["comm_bytes"] / max(step, 1),
+        "comm_seconds_per_step": counters["comm_seconds"] / max(step, 1),
+        "skipped_steps": counters["skipped"],
+        "restarts": resumes["restarts"],
+        "steps_redone": resumes["steps_redone"],
         "device": str(device),
         "backend": dist.get_backend(),
     }
