@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from paraloom.comm.collectives import default_timeout
 from paraloom.errors import UserError
 
 AXES = ("pp", "dp", "tp")  # outermost to innermost: tp neighbours are adjacent ranks (Megatron order)
@@ -86,8 +87,8 @@ class Topology:
             if getattr(self, axis) == self.world_size:
                 handles[axis] = dist.group.WORLD
             else:
-                handles[axis], _ = dist.new_subgroups_by_enumeration(self.groups(axis),
-                                                                     timeout=timeout)
+                handles[axis], _ = dist.new_subgroups_by_enumeration(
+                    self.groups(axis), timeout=timeout if timeout is not None else default_timeout())
         return RankGroups(self, rank, handles["dp"], handles["tp"], handles["pp"])
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,3 +57,16 @@ def broadcast(tensor: torch.Tensor, *, src_group_rank: int = 0,
     if stats is not None:
         stats.add(nbytes(tensor), time.perf_counter() - start)
     return tensor
+
+
+def default_timeout() -> timedelta | None:
+    """The default process group's timeout, for the groups made after it.
+
+    `dist.new_group` does not inherit it (it falls back to 30 minutes), so a collective on a later
+    group would wait half an hour for a hung peer; None when the backend does not say.
+    """
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None

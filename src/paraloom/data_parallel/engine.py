@@ -392,5 +392,7 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if len(ranks) != dist.get_world_size():
         raise ValueError("scheduler='priority' on a sub-group needs comm_group=: a second group over the "
                          "same ranks, made on every rank with dist.new_group")
-    return dist.new_group(ranks=ranks)
+    from paraloom.comm.collectives import default_timeout
+
+    return dist.new_group(ranks=ranks, timeout=default_timeout())
 

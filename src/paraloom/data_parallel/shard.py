@@ -99,7 +99,12 @@ class ShardedMode(SyncMode):
         """This rank's shard of the optimizer state."""
         return {"inner": self.inner.state_dict() if self.inner is not None else None}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Call after the model's parameters are loaded: the shards are taken from them again."""
+        n, rank = self.engine.world_size, self.engine.rank
+        for bucket, shard in zip(self.engine.buckets, self.shards, strict=True):
+            shard.copy_(bucket.param_buffer.view(n, -1)[rank])
         self._saved_inner = state["inner"]  # loaded once step() has made the inner optimizer
 
     def state_bytes(self) -> int:

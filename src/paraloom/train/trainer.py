@@ -28,7 +28,7 @@ from paraloom.train.faults import FaultInjector, parse_faults
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
-from paraloom.train.resume import ProgressMarker, capture, read_resumes, record_resume, restore
+from paraloom.train.resume import PROGRESS, ProgressMarker, capture, read_resumes, record_resume, restore
 
 
 def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups, stats: CommStats, timeline=None,
@@ -150,9 +150,10 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         shared, local = load_checkpoint(run_dir, resumed, rank, device)
         step, counters = restore(model, optimizer, engine, shared, local, device)
         if is_main:
-            record_resume(run_dir, step)
             print(f"paraloom: resuming from checkpoint step {step} of {total_steps}", file=sys.stderr)
         stats.take()
+    if is_main and run_dir is not None and (run_dir / PROGRESS).exists():  # an earlier attempt trained here
+        record_resume(run_dir, step)
 
     def checkpoint() -> None:
         shared, local = capture(model, optimizer, engine, step=step, counters=counters, device=device)

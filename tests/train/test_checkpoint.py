@@ -1,0 +1,71 @@
+"""Checkpoint files: atomic folders with checksums, keep-last-k, damaged ones passed over by name."""
+
+import json
+
+import pytest
+import torch
+from distributed import run_workers
+
+from paraloom.errors import UserError
+from paraloom.train.checkpoint import (
+    agree_on_checkpoint,
+    broadcast_text,
+    latest_valid,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir,
+    verify,
+)
+
+
+def _save_steps(rank, world, run_dir, steps, keep):
+    for step in steps:
+        local = {"rank": rank, "step": step, "value": torch.full((5,), float(rank * 100 + step))}
+        shared = {"model": torch.arange(4.0) + step} if rank == 0 else None
+        save_checkpoint(run_dir, step, local=local, shared=shared, keep=keep)
+    return agree_on_checkpoint(run_dir)
+
+
+def test_saved_folders_are_whole_and_pruned(tmp_path):
+    chosen = run_workers(_save_steps, 2, tmp_path, [10, 20, 30, 40], 3)
+    assert chosen == [40, 40]
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == ["step-00000020", "step-00000030", "step-00000040"]  # keep 3, no .tmp left
+    manifest = json.loads((step_dir(tmp_path, 40) / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and set(manifest["files"]) == {"rank0.pt", "rank1.pt", "shared.pt"}
+    shared, local = load_checkpoint(tmp_path, 40, 1, torch.device("cpu"))
+    assert torch.equal(shared["model"], torch.arange(4.0) + 40)
+    assert local["rank"] == 1 and torch.equal(local["value"], torch.full((5,), 140.0))
+
+
+def test_truncated_latest_is_passed_over_with_its_name(tmp_path, capsys):
+    run_workers(_save_steps, 2, tmp_path, [10, 20], 3)
+    damaged = step_dir(tmp_path, 20) / "rank1.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-7])
+    assert "rank1.pt does not match its checksum" in verify(step_dir(tmp_path, 20))
+    assert latest_valid(tmp_path, 2) == step_dir(tmp_path, 10)
+    assert "skipping checkpoint step-00000020" in capsys.readouterr().err
+    # a flipped byte (same size) is caught as well; a half-written folder is never considered
+    shared = step_dir(tmp_path, 10) / "shared.pt"
+    data = bytearray(shared.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shared.write_bytes(bytes(data))
+    (tmp_path / "checkpoints" / "step-00000030.tmp").mkdir()
+    assert latest_valid(tmp_path, 2) is None
+
+
+def test_missing_manifest_and_other_world_size(tmp_path):
+    run_workers(_save_steps, 2, tmp_path, [10, 20], 3)
+    (step_dir(tmp_path, 20) / "manifest.json").unlink()
+    assert "manifest.json is missing" in verify(step_dir(tmp_path, 20))
+    with pytest.raises(UserError, match="written by 2 ranks; resume it with 2 workers, not 4"):
+        latest_valid(tmp_path, 4)
+
+
+def _texts(rank, world, text):
+    return broadcast_text(text if rank == 0 else "ignored"), broadcast_text(None)
+
+
+def test_broadcast_text_sends_rank_zeros_string():
+    out = run_workers(_texts, 3, "/runs/ünïcode path")
+    assert out == [("/runs/ünïcode path", None)] * 3

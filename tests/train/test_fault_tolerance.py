@@ -1,0 +1,131 @@
+"""The whole CLI under faults: killed ranks restart and finish exactly, damaged checkpoints are passed
+over, hung ranks are named within the timeout, NaN steps are skipped, memory stays flat."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paraloom.train.checkpoint import step_dir
+
+SMALL = ["--set", "model.name=mlp", "--set", "model.hidden=32", "--set", "optim.epochs=2",
+         "--set", "run.checkpoint_every=10", "--set", "run.log_every=5"]  # 46 steps on 2 ranks
+TAG = f"paraloom-ft-{os.getpid()}"
+
+
+def paraloom(*args, out: Path, name: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "paraloom", "train", *SMALL, "--set", f"run.out_dir={out}",
+           "--set", f"run.name={name}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PARALOOM_TEST_TAG=TAG))
+
+
+def resume(run_dir: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "paraloom", "train", "--resume", str(run_dir)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PARALOOM_TEST_TAG=TAG))
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def leftovers() -> list[int]:
+    """Processes still carrying this test's tag (workers, agents)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if TAG.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ft")
+    done = paraloom(out=out, name="straight")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "straight"
+
+
+def test_killed_rank_restarts_and_ends_exactly_where_an_uninterrupted_run_does(baseline, tmp_path):
+    expected = final_params(baseline)
+    for seed in range(5):
+        step = random.Random(seed).randint(2, 46)
+        done = paraloom("--inject", f"kill:rank=1,step={step}", out=tmp_path, name=f"kill{seed}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        run_dir = tmp_path / f"kill{seed}"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["restarts"] == 1 and summary["steps"] == 46
+        assert summary["steps_redone"] == (step - 1) % 10  # since the last checkpoint (every 10)
+        got = final_params(run_dir)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), f"kill at step {step}"
+    assert not leftovers()
+
+
+def test_truncated_latest_checkpoint_resumes_from_the_one_before(baseline, tmp_path):
+    run_dir = tmp_path / "cut"
+    shutil.copytree(baseline, run_dir)
+    for name in ("model.pt", "summary.json"):
+        (run_dir / name).unlink()
+    shutil.rmtree(step_dir(run_dir, 46))  # as if the run had stopped after step 40's checkpoint
+    damaged = step_dir(run_dir, 40) / "rank0.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    done = resume(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipping checkpoint step-00000040" in done.stderr and "rank0.pt" in done.stderr
+    assert "resuming from checkpoint step 30 of 46" in done.stderr
+    expected, got = final_params(baseline), final_params(run_dir)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_hung_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):
+    started = time.time()
+    done = paraloom("--inject", "hang:rank=1,step=10", "--set", "comm.timeout_s=5",
+                    "--set", "run.max_restarts=0", out=tmp_path, name="hang", timeout=120)
+    ended = time.time()
+    assert done.returncode != 0
+    assert "rank 1 stopped answering" in done.stderr and "step 10" in done.stderr
+    hung_at = (tmp_path / "hang" / ".fired-hang-rank1-step10").stat().st_mtime
+    assert started < hung_at and ended - hung_at < 5 + 10
+    time.sleep(1)
+    assert not leftovers()
+
+
+def test_nan_step_is_skipped_and_a_run_of_them_stops_with_the_checkpoint_intact(tmp_path):
+    done = paraloom("--inject", "nan:rank=0,step=5", out=tmp_path, name="nan")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["steps"] == 46
+    assert "step 5 skipped: non-finite gradients" in done.stderr
+
+    done = paraloom("--inject", "nan:rank=1,step=15", "--set", "guard.max_bad_steps=1",
+                    "--set", "run.max_restarts=0", out=tmp_path, name="stop")
+    assert done.returncode == 1
+    assert "1 steps in a row (up to step 15) had NaN or Inf gradients" in done.stderr
+    from paraloom.train.checkpoint import latest_valid
+
+    assert latest_valid(tmp_path / "stop", 2) == step_dir(tmp_path / "stop", 10)
+
+
+def test_soak_memory_stays_flat(tmp_path):
+    done = paraloom("--set", "optim.epochs=100", "--set", "optim.max_steps=2000",
+                    "--set", "data.batch_size=16", "--set", "run.log_every=100",
+                    "--set", "run.checkpoint_every=500", out=tmp_path, name="soak", timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "soak" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2000
+    base = next(r["rss_mb"] for r in rows if r["step"] == 200)
+    for row in rows:
+        if row["step"] > 200:
+            for rank, (now, then) in enumerate(zip(row["rss_mb"], base, strict=True)):
+                assert now < then * 1.05, f"rank {rank} grew from {then} MB to {now} MB by step {row['step']}"

@@ -1,0 +1,77 @@
+"""NaN/Inf guard: a bad gradient on one rank skips the step on every rank, and nothing is poisoned."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_workers
+
+from paraloom.data_parallel import DataParallel, DataParallelNaive
+from paraloom.train.guards import is_comm_failure, peer_failure
+
+
+def _guarded_steps(rank, world, options, naive):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    engine = DataParallelNaive(model) if naive else DataParallel(model, **options)
+    engine.guard_nonfinite()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    y = torch.tensor([0, 1, 2, 0])
+    outcomes, snapshots = [], []
+    for step in range(4):
+        loss = F.cross_entropy(engine(x), y)
+        if step == 1 and rank == world - 1:
+            loss = loss * float("nan")  # only the last rank's gradients go bad
+        before = [p.detach().clone() for p in model.parameters()]
+        loss.backward()
+        outcomes.append(engine.step(optimizer))
+        after = [p.detach().clone() for p in model.parameters()]
+        snapshots.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+    engine.close()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    residual_ok = True
+    memory = getattr(getattr(engine, "compressor", None), "memory", None)
+    if memory is not None:
+        residual_ok = all(bool(torch.isfinite(t).all()) for t in memory.residual.values())
+    return outcomes, snapshots, finite, residual_ok, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("options,naive", [({}, False), ({"scheduler": "priority", "partition_mb": 0.0005},
+                                                         False),
+                                           ({"compressor": "topk", "compressor_options": {"density": 0.5}},
+                                            False), ({}, True)],
+                         ids=["wait_free", "priority", "topk", "naive"])
+def test_nan_on_one_rank_skips_the_step_everywhere(options, naive):
+    results = run_workers(_guarded_steps, 2, options, naive)
+    for outcomes, unchanged, finite, residual_ok, _ in results:
+        assert outcomes == [True, False, True, True]
+        if "scheduler" not in options:  # priority applies each update in the next forward
+            assert unchanged == [False, True, False, False]  # the skipped step left the parameters alone
+        assert finite and residual_ok
+    for a, b in zip(results[0][4], results[1][4], strict=True):
+        assert torch.equal(a, b)
+    if "scheduler" in options:  # the same three updates as wait_free's
+        plain = run_workers(_guarded_steps, 2, {}, False)
+        for a, b in zip(results[0][4], plain[0][4], strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_comm_failures_are_recognised():
+    assert is_comm_failure(RuntimeError("[gloo] Timed out waiting 5000ms for recv operation"))
+    assert is_comm_failure(RuntimeError("Connection reset by peer"))
+    assert not is_comm_failure(ValueError("bad shape"))
+    assert not is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def _silent_peer(rank, world):
+    if rank == 1:
+        return None  # never checks in
+    return str(peer_failure(RuntimeError("Timed out waiting 1000ms"), rank=rank, world=world, step=7,
+                            operation="gradient all-reduce", timeout_s=1.0))
+
+
+def test_peer_failure_names_the_silent_rank():
+    message = run_workers(_silent_peer, 3, timeout=30)
+    for text in (message[0], message[2]):
+        assert text.startswith("rank 1 stopped answering")
+        assert "step 7" in text and "gradient all-reduce" in text and "comm.timeout_s=1" in text
