@@ -144,7 +144,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
 
     step = 0
     counters: dict[str, Any] = {"samples": 0, "comm_bytes": 0, "comm_seconds": 0.0, "skipped": 0,
-                                "loss": None}
+                                "loss": None, "checkpoint_seconds": 0.0}
     resumed = agree_on_checkpoint(run_dir)
     if resumed is not None:
         shared, local = load_checkpoint(run_dir, resumed, rank, device)
@@ -156,9 +156,11 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         record_resume(run_dir, step)
 
     def checkpoint() -> None:
+        began = time.perf_counter()
         shared, local = capture(model, optimizer, engine, step=step, counters=counters, device=device)
         save_checkpoint(run_dir, step, local=local, shared=shared if is_main else None,
                         keep=cfg.run.keep_checkpoints)
+        counters["checkpoint_seconds"] += time.perf_counter() - began
 
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if is_main and run_dir else None
     marker = ProgressMarker(run_dir) if is_main and run_dir else None
@@ -278,6 +280,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "comm_bytes_per_step": counters["comm_bytes"] / max(step, 1),
         "comm_seconds_per_step": counters["comm_seconds"] / max(step, 1),
         "skipped_steps": counters["skipped"],
+        "checkpoint_seconds": counters["checkpoint_seconds"],  # writing every checkpoint (this rank)
         "restarts": resumes["restarts"],
         "steps_redone": resumes["steps_redone"],
         "device": str(device),
