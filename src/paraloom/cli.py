@@ -80,6 +80,8 @@ def train(
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     with _cluster_from_options(cluster, emulate) as nodes:
         world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
+        if nodes and cfg.parallel.mode == "ps":
+            raise UserError("parallel.mode=ps runs on this machine only so far; drop --cluster/--emulate")
         cfg.validate_world(world)
         _check_fault_steps(cfg, world)
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)

@@ -107,7 +107,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    mode: str = _choices("dp", default="dp")  # dp: data parallel (comm.* picks the engine and its options)
+    mode: str = _choices("dp", "ps", default="dp")  # dp: data parallel (comm.*); ps: parameter server (ps.*)
     nproc: int = 2  # worker processes per node (`--nproc`)
 
     def __post_init__(self) -> None:
@@ -172,6 +172,18 @@ class CommConfig:
 
 
 @dataclass(kw_only=True)
+class PSConfig:
+    servers: int = 1  # parameter-server processes (ranks after the workers), each owning a shard
+    consistency: str = _choices("bsp", "asp", "ssp", default="bsp")  # when a worker may read
+    staleness: int = 3  # ssp: clocks a worker may run ahead of the slowest
+
+    def __post_init__(self) -> None:
+        _positive(self, "servers")
+        if self.staleness < 0:
+            raise UserError(f"ps.staleness={self.staleness} must not be negative")
+
+
+@dataclass(kw_only=True)
 class GuardConfig:
     nan: bool = True  # skip (on every rank) a step whose gradients hold NaN or Inf anywhere
     max_bad_steps: int = 5  # stop after this many skipped steps in a row
@@ -189,6 +201,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+
+    def __post_init__(self) -> None:
+        if self.parallel.mode == "ps" and self.comm.compressor != "none":
+            raise UserError("parallel.mode=ps does not compress pushes yet; use comm.compressor=none")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -211,6 +228,10 @@ class Config:
                 raise UserError(f"section {name!r} in {source} must be a mapping of keys")
             built[name] = _build_section(name, section_type, values)
         return cls(**built)
+
+    def processes(self, workers: int) -> int:
+        """Processes a run with `workers` workers starts: the workers, and the servers in ps mode."""
+        return workers + (self.ps.servers if self.parallel.mode == "ps" else 0)
 
     def validate_world(self, world_size: int) -> None:
         """Checks that depend on the number of workers; run before any worker starts."""

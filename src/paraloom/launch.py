@@ -58,6 +58,7 @@ def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
                  interface: str = "lo") -> dict[str, Any]:
     """Train with `cfg.parallel.nproc` workers on this machine; returns rank 0's summary."""
     results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
-                                       cfg.comm.interface or interface), nproc=cfg.parallel.nproc,
+                                       cfg.comm.interface or interface),
+                          nproc=cfg.processes(cfg.parallel.nproc),
                           max_restarts=cfg.run.max_restarts)
     return results[0]

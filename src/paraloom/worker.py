@@ -60,6 +60,9 @@ def run(config: dict[str, Any], run_dir: str | None, started_at: float,
     """Elastic-agent entry: one rank's whole life, process group set up and torn down."""
     from paraloom.train import train
 
+    if config.get("parallel", {}).get("mode") == "ps":
+        from paraloom.parameter_server.train import train_ps as train
+
     torch.set_num_threads(_threads_per_worker())
     cfg = Config.from_dict(config)
     device = pick_device(cfg.run)
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     started_at = args.started_at or started_at
     try:
         cfg = load_config(args.config, args.set)
-        cfg.validate_world(int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg.validate_world(world - (cfg.processes(0)))
         run_dir = None
         if int(os.environ.get("RANK", "0")) == 0:
             given = Path(args.run_dir) if args.run_dir else None

@@ -71,7 +71,8 @@ class ParameterServer:
             work.wait()
         return {"pushes_applied": self.pushes_applied, "updates": self.version,
                 "staleness": dict(sorted(self.staleness.items())),
-                "read_staleness": dict(sorted(self.read_staleness.items())), "busy_seconds": self.busy_seconds}
+                "read_staleness": dict(sorted(self.read_staleness.items())),
+                "busy_seconds": self.busy_seconds}
 
     @torch.no_grad()
     def _apply(self, version: int) -> None:
