@@ -80,8 +80,11 @@ def train(
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     with _cluster_from_options(cluster, emulate) as nodes:
         world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
-        if nodes and cfg.parallel.mode == "ps":
-            raise UserError("parallel.mode=ps runs on this machine only so far; drop --cluster/--emulate")
+        if nodes and cfg.parallel.mode == "ps":  # on a cluster the servers take processes of their own
+            world -= cfg.ps.servers
+            if world < 1:
+                raise UserError(f"ps.servers={cfg.ps.servers} leaves no worker on {nodes.describe()}; "
+                                "give the cluster more nodes than servers")
         cfg.validate_world(world)
         _check_fault_steps(cfg, world)
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)

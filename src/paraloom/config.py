@@ -39,6 +39,7 @@ class RunConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept in runs/<name>/checkpoints
     max_restarts: int = 3  # elastic restarts after a worker fails (each resumes from the last checkpoint)
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
+    eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")

@@ -30,7 +30,14 @@ from paraloom.parameter_server.worker import PSClient
 from paraloom.train.faults import FaultInjector, parse_faults
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
-from paraloom.train.trainer import batch_loss, evaluate, make_optimizer, planned_steps, shared_run_dir
+from paraloom.train.trainer import (
+    batch_loss,
+    evaluate,
+    local_accuracy,
+    make_optimizer,
+    planned_steps,
+    shared_run_dir,
+)
 
 
 def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
@@ -78,6 +85,8 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if is_main and run_dir else None
     progress = TrainProgress(total_steps, enabled=is_main)
     step, samples, loss_value = 0, 0, None
+    epoch_accuracy: list[list[float]] = []  # [training seconds, test accuracy] after each epoch
+    eval_seconds = 0.0
     loop_start = time.perf_counter()
     try:
         for epoch in range(cfg.optim.epochs):
@@ -103,8 +112,12 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
                                     "wait_seconds": client.wait_seconds})
                 progress.update(step, loss=loss_value, epoch=epoch,
                                 samples_per_s=samples / max(time.perf_counter() - loop_start, 1e-9))
+            if cfg.run.eval_every_epoch and is_main and step > 0:  # worker 0's last pull, no communication
+                began = time.perf_counter()
+                epoch_accuracy.append([began - loop_start - eval_seconds, local_accuracy(model, split)])
+                eval_seconds += time.perf_counter() - began
         client.pull()  # the servers' final parameters
-        train_seconds = time.perf_counter() - loop_start
+        train_seconds = time.perf_counter() - loop_start - eval_seconds
         client.close()
         groups = SimpleNamespace(dp_group=worker_group, dp_rank=rank, dp_world_size=n_workers)
         accuracy = evaluate(model, split, groups)
@@ -124,6 +137,7 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "wait_seconds_per_worker": [float(w) for w in waits],
         "comm_bytes_per_step": 8.0 * sum(hi - lo for lo, hi in bounds),  # pull + push, fp32, per worker
         "comm_seconds_per_step": client.wait_seconds / max(step, 1),
+        "epoch_accuracy": epoch_accuracy,
         "restarts": 0, "steps_redone": 0, "skipped_steps": 0, "checkpoint_seconds": 0.0,
         "device": str(device), "backend": dist.get_backend(),
     }

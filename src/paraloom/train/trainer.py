@@ -82,6 +82,16 @@ def evaluate(model: nn.Module, split: Split, groups: RankGroups, batch: int = 10
     return float(correct) / len(split.y_test)
 
 
+@torch.no_grad()
+def local_accuracy(model: nn.Module, split: Split, batch: int = 1024) -> float:
+    """Test accuracy of this rank's model on the whole test set, without communication."""
+    model.eval()
+    correct = sum(int((model(xb).argmax(dim=1) == yb).sum())
+                  for xb, yb in zip(split.x_test.split(batch), split.y_test.split(batch), strict=True))
+    model.train()
+    return correct / len(split.y_test)
+
+
 def shared_run_dir(run_dir: Path | None) -> Path | None:
     """Global rank 0's run directory, on every rank (under torchrun only rank 0 is given it)."""
     text = broadcast_text(str(run_dir.resolve()) if run_dir is not None and dist.get_rank() == 0 else None)
@@ -168,6 +178,8 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     logged_step, logged_samples, logged_at = step, counters["samples"], time.perf_counter()
     loop_start, samples_at_start = time.perf_counter(), counters["samples"]
     bad_in_row, operation = 0, "start"
+    epoch_accuracy: list[list[float]] = []  # [training seconds, test accuracy] after each epoch
+    eval_seconds = 0.0
     per_epoch = len(batches)
     try:
         for epoch in range(step // per_epoch, cfg.optim.epochs):
@@ -242,9 +254,13 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                 done = counters["samples"] - samples_at_start
                 progress.update(step, loss=counters["loss"], epoch=epoch,
                                 samples_per_s=done / max(time.perf_counter() - loop_start, 1e-9))
+            if cfg.run.eval_every_epoch and is_main and step > 0:  # rank 0's model, no communication
+                began = time.perf_counter()
+                epoch_accuracy.append([began - loop_start - eval_seconds, local_accuracy(model, split)])
+                eval_seconds += time.perf_counter() - began
         operation = "final synchronization"
         engine.finish()  # deferred updates and the last delayed all-reduce land before evaluating
-        train_seconds = time.perf_counter() - loop_start
+        train_seconds = time.perf_counter() - loop_start - eval_seconds
         if timeline is not None:
             timeline.active = False
         operation = "evaluation"
@@ -280,7 +296,8 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "comm_bytes_per_step": counters["comm_bytes"] / max(step, 1),
         "comm_seconds_per_step": counters["comm_seconds"] / max(step, 1),
         "skipped_steps": counters["skipped"],
-        "checkpoint_seconds": counters["checkpoint_seconds"],  # writing every checkpoint (this rank)
+        "checkpoint_seconds": counters["checkpoint_seconds"],
+        "epoch_accuracy": epoch_accuracy,  # writing every checkpoint (this rank)
         "restarts": resumes["restarts"],
         "steps_redone": resumes["steps_redone"],
         "device": str(device),
