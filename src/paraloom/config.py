@@ -231,7 +231,7 @@ class Config:
         return cls(**built)
 
     def processes(self, workers: int) -> int:
-        """Processes a run with `workers` workers starts: the workers, and the servers in ps mode."""
+        """Processes started for `workers` workers: they and, in ps mode, the servers."""
         return workers + (self.ps.servers if self.parallel.mode == "ps" else 0)
 
     def validate_world(self, world_size: int) -> None:

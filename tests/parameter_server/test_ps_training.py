@@ -22,41 +22,28 @@ def _job(rank, world, cfg, ps):
     return summary
 
 
-def _ps_params(rank, world, cfg):
-    import paraloom.parameter_server.train as ps_train
+def _trained_params(rank, world, cfg, ps):
+    """The summary, and the parameters the run evaluates at its end (captured at evaluation)."""
+    import importlib
 
-    captured = {}
-    original = ps_train.evaluate
+    module = importlib.import_module("paraloom.parameter_server.train" if ps else "paraloom.train.trainer")
+    captured, original = {}, module.evaluate
 
     def grab(model, split, groups):
         captured["params"] = [p.detach().clone() for p in model.parameters()]
         return original(model, split, groups)
 
-    ps_train.evaluate = grab
-    summary = train_ps(cfg, None, device=torch.device("cpu"))
+    module.evaluate = grab
+    summary = (train_ps if ps else train)(cfg, None, device=torch.device("cpu"))
     return summary, captured.get("params")
-
-
-def _dp_params(rank, world, cfg):
-    import paraloom.train.trainer as trainer
-
-    captured = {}
-    original = trainer.evaluate
-
-    def grab(model, split, groups):
-        captured["params"] = [p.detach().clone() for p in model.parameters()]
-        return original(model, split, groups)
-
-    trainer.evaluate = grab
-    return train(cfg, None, device=torch.device("cpu")), captured["params"]
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
 def test_bsp_training_equals_all_reduce_training(optim):
     cfg = _cfg("optim.epochs=2", f"optim.name={optim}", "parallel.mode=ps", "ps.servers=2")
-    ps = run_workers(_ps_params, 4, cfg, timeout=120)  # 2 workers, 2 servers
-    dp = run_workers(_dp_params, 2, _cfg("optim.epochs=2", f"optim.name={optim}", "guard.nan=false"),
-                     timeout=120)
+    ps = run_workers(_trained_params, 4, cfg, True, timeout=120)  # 2 workers, 2 servers
+    dp = run_workers(_trained_params, 2, _cfg("optim.epochs=2", f"optim.name={optim}", "guard.nan=false"),
+                     False, timeout=120)
     for a, b in zip(ps[0][1], dp[0][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert ps[0][0]["test_accuracy"] == pytest.approx(dp[0][0]["test_accuracy"], abs=0.003)

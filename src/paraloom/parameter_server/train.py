@@ -22,6 +22,7 @@ import torch.distributed as dist
 from paraloom.comm.collectives import default_timeout
 from paraloom.config import Config
 from paraloom.data import ShardedBatches, load_dataset
+from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.parameter_server.consistency import staleness_bound
 from paraloom.parameter_server.server import ParameterServer
@@ -44,7 +45,7 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
              started_at: float | None = None) -> dict[str, Any]:
     started_at = time.time() if started_at is None else started_at
     if device.type != "cpu":
-        raise NotImplementedError("parallel.mode=ps runs on CPU (gloo) so far")
+        raise UserError("parallel.mode=ps runs on CPU (gloo) so far; use run.device=cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     n_servers = cfg.ps.servers
     n_workers = world - n_servers

@@ -3,7 +3,7 @@
 Layout: `RUN_DIR/checkpoints/step-00000030/` holding `shared.pt` (model and optimizer, written
 by rank 0 when every rank holds the same), `rank<r>.pt` (each rank's own: communication state,
 RNG states, and model and optimizer where replicas differ) and `manifest.json` (step, world
-size, SHA-256 and size of every file). Ranks write into `step-XXXXXXXX.tmp/`, each file
+size, SHA-256 and size of every file). Ranks write into `step-<8-digit step>.tmp/`, each file
 fsync'ed; rank 0 then hashes what is on disk, writes the manifest, and renames the folder into
 place, so a checkpoint is either whole or absent. Loading verifies every checksum and passes
 over a damaged checkpoint for the previous one, with a warning naming the file. Files load with
