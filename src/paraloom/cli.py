@@ -14,7 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from paraloom.config import load_config, section_keys
+from paraloom.config import load_config
+from paraloom.config_help import section_keys
 from paraloom.errors import UserError, WorkersFailed
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import re
 import typing
@@ -264,24 +263,6 @@ def _section_name(section: Any) -> str:
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
-
-
-def section_keys() -> dict[str, list[tuple[str, str, Any, str]]]:
-    """Section -> [(key, type text, default, the comment beside the field)], for help texts."""
-    out = {}
-    for name, section_type in _section_types().items():
-        hints = typing.get_type_hints(section_type)
-        comments = dict(_FIELD_COMMENT.findall(inspect.getsource(section_type)))
-        rows = []
-        for f in dataclasses.fields(section_type):
-            kind = f.metadata.get("choices")
-            text = "|".join(kind) if kind else _type_text(hints[f.name])
-            rows.append((f.name, text, f.default, comments.get(f.name, "")))
-        out[name] = rows
-    return out
-
-
-_FIELD_COMMENT = re.compile(r"^    (\w+): [^#\n]*#\s*(.*)$", re.MULTILINE)
 
 
 def _type_text(tp: Any) -> str:

@@ -1,0 +1,29 @@
+"""Help text for the config: every section's keys with type, default and the comment beside the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+from typing import Any
+
+from paraloom.config import _section_types, _type_text
+
+
+def section_keys() -> dict[str, list[tuple[str, str, Any, str]]]:
+    """Section -> [(key, type text, default, the comment beside the field)], for help texts."""
+    out = {}
+    for name, section_type in _section_types().items():
+        hints = typing.get_type_hints(section_type)
+        comments = dict(_FIELD_COMMENT.findall(inspect.getsource(section_type)))
+        rows = []
+        for f in dataclasses.fields(section_type):
+            kind = f.metadata.get("choices")
+            text = "|".join(kind) if kind else _type_text(hints[f.name])
+            rows.append((f.name, text, f.default, comments.get(f.name, "")))
+        out[name] = rows
+    return out
+
+
+_FIELD_COMMENT = re.compile(r"^    (\w+): [^#\n]*#\s*(.*)$", re.MULTILINE)
