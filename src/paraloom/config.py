@@ -176,6 +176,7 @@ class PSConfig:
     servers: int = 1  # parameter-server processes (ranks after the workers), each owning a shard
     consistency: str = _choices("bsp", "asp", "ssp", default="bsp")  # when a worker may read
     staleness: int = 3  # ssp: clocks a worker may run ahead of the slowest
+    overlap: bool = True  # push each shard during backward, load each reply when forward needs it
 
     def __post_init__(self) -> None:
         _positive(self, "servers")
@@ -205,7 +206,12 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.parallel.mode == "ps" and self.comm.compressor != "none":
-            raise UserError("parallel.mode=ps does not compress pushes yet; use comm.compressor=none")
+            from paraloom.parameter_server.message import PUSHABLE
+
+            if self.comm.compressor not in PUSHABLE:
+                raise UserError(f"parallel.mode=ps cannot compress pushes with comm.compressor="
+                                f"{self.comm.compressor} (its payload size or decoding changes from step "
+                                f"to step); choose none or one of: {', '.join(PUSHABLE)}")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -4,13 +4,16 @@ Every rank builds the model from the same seed; server i keeps shard i of the fl
 parameters and runs the optimizer on it. Workers pull all shards, compute on their slice of the
 global batch, push all shards' gradients. Worker 0 logs metrics and writes the summary, with
 every server's counts (pushes applied, staleness histograms) and every worker's wait time.
-Not yet here: checkpoints and compression of pushes (the data-parallel engine has both).
+Pushes are compressed with comm.compressor (the fixed-size ones, message.PUSHABLE); a request
+carries a token of the run id, and servers refuse a worker whose token differs.
+Not yet here: checkpoints (the data-parallel trainer has them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +28,7 @@ from paraloom.data import ShardedBatches, load_dataset
 from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.parameter_server.consistency import staleness_bound
+from paraloom.parameter_server.message import PushCodec, run_token
 from paraloom.parameter_server.server import ParameterServer
 from paraloom.parameter_server.shard import flatten_model, shard_bounds
 from paraloom.parameter_server.worker import PSClient
@@ -33,6 +37,7 @@ from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
 from paraloom.train.trainer import (
     batch_loss,
+    dgc_options,
     evaluate,
     local_accuracy,
     make_optimizer,
@@ -61,14 +66,21 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     bounds = shard_bounds(n_params, n_servers)
     servers = list(range(n_workers, world))
+    env = os.environ  # the run id and attempt the elastic agent gave this process, and the run directory
+    token = run_token("/".join([env.get("TORCHELASTIC_RUN_ID", "local"),
+                                env.get("TORCHELASTIC_RESTART_COUNT", "0"), run_dir.name if run_dir else ""]))
+    compressor = None if cfg.comm.compressor == "none" else cfg.comm.compressor
+    options = {**cfg.comm.compressor_options(), **(dgc_options(cfg.comm, cfg.optim) or {})}
+    codecs = [PushCodec(hi - lo, compressor, options) for lo, hi in bounds]
 
     if rank >= n_workers:
         flat, _ = flatten_model(model)
         lo, hi = bounds[rank - n_workers]
-        server = ParameterServer(flat[lo:hi], lambda params: make_optimizer(cfg.optim, params),
+        server = ParameterServer(flat[lo:hi], lambda params: make_optimizer(cfg.optim, params, cfg.comm),
                                  workers=list(range(n_workers)),
                                  bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
-                                 average=cfg.ps.consistency == "bsp")
+                                 average=cfg.ps.consistency == "bsp", token=token,
+                                 codec=codecs[rank - n_workers])
         stats = server.serve()
         if run_dir is not None:
             (run_dir / "ps").mkdir(exist_ok=True)
@@ -76,7 +88,7 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
         dist.barrier()  # the summary is written after every server's counts are on disk
         return {"server": rank - n_workers, **stats}
 
-    client = PSClient(model, servers, bounds)
+    client = PSClient(model, servers, bounds, token=token, codecs=codecs)
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=rank, world=n_workers,
                              seed=cfg.run.seed, shuffle=cfg.data.shuffle)
     total_steps = planned_steps(cfg, len(split.y_train))
@@ -87,22 +99,30 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
     progress = TrainProgress(total_steps, enabled=is_main)
     step, samples, loss_value = 0, 0, None
     epoch_accuracy: list[list[float]] = []  # [training seconds, test accuracy] after each epoch
+    snapshots: list[tuple[float, torch.Tensor]] = []  # (training seconds, parameters) after each epoch
     eval_seconds = 0.0
-    loop_start = time.perf_counter()
+    client.pull()  # the initial parameters; waits for every server to be up
+    if cfg.ps.overlap:
+        client.attach(model)
+    startup_wait, client.wait_seconds = client.wait_seconds, 0.0
+    loop_start, cpu_start = time.perf_counter(), time.process_time()
+    timeline = [(time.time(), 0.0)]  # (wall clock, this worker's samples) at the start and after each step
     try:
         for epoch in range(cfg.optim.epochs):
             for local_idx, global_count in batches.epoch(epoch):
                 if step == total_steps:
                     break
-                client.pull()
-                began = time.perf_counter()
+                began, waited = time.perf_counter(), client.wait_seconds
                 x, y = split.x_train[local_idx], split.y_train[local_idx]
                 loss, loss_sum = batch_loss(model, x, y, global_count=global_count, dp_world_size=n_workers)
                 loss.backward()
                 slow = faults.slow_factor(step + 1)
-                if slow > 1.0:
-                    time.sleep((slow - 1.0) * (time.perf_counter() - began))
+                if slow > 1.0:  # computing takes `slow` times as long (waiting for replies is not computing)
+                    time.sleep((slow - 1.0) * (time.perf_counter() - began - (client.wait_seconds - waited)))
                 client.push()
+                if not cfg.ps.overlap:  # else forward loads each shard when it first needs it
+                    client.pull()  # the parameters of the next step, as the consistency rule allows
+                timeline.append((time.time(), float(len(local_idx))))
                 step += 1
                 samples += global_count
                 if step % cfg.run.log_every == 0 or step == total_steps:
@@ -110,20 +130,34 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
                     if logger is not None:
                         logger.log({"step": step, "epoch": epoch, "loss": loss_value,
                                     "samples_per_s": samples / max(time.perf_counter() - loop_start, 1e-9),
-                                    "wait_seconds": client.wait_seconds})
+                                    "wait_seconds": client.wait_seconds, "wire_bytes": client.wire_bytes,
+                                    "read_staleness": dict(sorted(client.read_staleness.items()))})
+                        client.read_staleness.clear()  # a histogram per logged interval
                 progress.update(step, loss=loss_value, epoch=epoch,
                                 samples_per_s=samples / max(time.perf_counter() - loop_start, 1e-9))
-            if cfg.run.eval_every_epoch and is_main and step > 0:  # worker 0's last pull, no communication
+            if cfg.run.eval_every_epoch and is_main and step > 0:
+                # evaluated after training, so that no worker pauses (under ASP the others would not)
+                client.settle()  # this epoch's last replies, waited for as training time
                 began = time.perf_counter()
-                epoch_accuracy.append([began - loop_start - eval_seconds, local_accuracy(model, split)])
+                snapshots.append((began - loop_start - eval_seconds, client.flat.clone()))
                 eval_seconds += time.perf_counter() - began
-        client.pull()  # the servers' final parameters
         train_seconds = time.perf_counter() - loop_start - eval_seconds
+        cpu_seconds = time.process_time() - cpu_start
+        client.settle()
+        with torch.no_grad():
+            for seconds, flat in snapshots:
+                client.flat.copy_(flat)
+                epoch_accuracy.append([seconds, local_accuracy(model, split)])
+        dist.barrier(group=worker_group)  # every worker's last push is applied: read the final state
+        client.pull(fresh=True)
         client.close()
         groups = SimpleNamespace(dp_group=worker_group, dp_rank=rank, dp_world_size=n_workers)
         accuracy = evaluate(model, split, groups)
-        waits = [torch.zeros(1, dtype=torch.float64) for _ in range(n_workers)]
-        dist.all_gather(waits, torch.tensor([client.wait_seconds], dtype=torch.float64), group=worker_group)
+        waits = [torch.zeros(2, dtype=torch.float64) for _ in range(n_workers)]
+        dist.all_gather(waits, torch.tensor([client.wait_seconds, cpu_seconds],
+                                            dtype=torch.float64), group=worker_group)
+        timelines = [torch.zeros(len(timeline), 2, dtype=torch.float64) for _ in range(n_workers)]
+        dist.all_gather(timelines, torch.tensor(timeline, dtype=torch.float64), group=worker_group)
     finally:
         progress.close()
         if logger is not None:
@@ -134,9 +168,13 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "samples": samples, "world_size": world, "workers": n_workers, "servers": n_servers,
         "consistency": cfg.ps.consistency, "staleness_bound": cfg.ps.staleness,
         "wall_seconds": time.time() - started_at, "train_seconds": train_seconds,
-        "samples_per_second": samples / train_seconds if train_seconds > 0 else 0.0,
-        "wait_seconds_per_worker": [float(w) for w in waits],
-        "comm_bytes_per_step": 8.0 * sum(hi - lo for lo, hi in bounds),  # pull + push, fp32, per worker
+        "samples_per_second": all_workers_throughput(timelines),
+        "worker0_samples_per_second": samples / train_seconds if train_seconds > 0 else 0.0,
+        "wait_seconds_per_worker": [float(w[0]) for w in waits],
+        "cpu_seconds_per_worker": [float(w[1]) for w in waits],
+        "startup_wait_seconds": startup_wait,  # worker 0's first read (servers starting); not training
+        "comm_bytes_per_step": client.wire_bytes / max(step, 1) + 4.0 * sum(hi - lo for lo, hi in bounds),
+        "push_bytes_per_step": client.wire_bytes / max(step, 1),  # per worker, headers included
         "comm_seconds_per_step": client.wait_seconds / max(step, 1),
         "epoch_accuracy": epoch_accuracy,
         "restarts": 0, "steps_redone": 0, "skipped_steps": 0, "checkpoint_seconds": 0.0,
@@ -149,3 +187,19 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
             save_state(run_dir / "model.pt", model.state_dict())
         write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def all_workers_throughput(timelines: list[torch.Tensor]) -> float:
+    """Samples per second of all workers together while all of them were training: from the last
+    worker's start to the first worker's finish, every worker's samples in that window. Under BSP
+    this is the usual figure; under ASP it does not credit the fast workers' early finish, nor
+    charge the straggler's lone tail, to the throughput of the whole.
+
+    Each timeline is (wall clock, samples) rows: the start, then one row per step.
+    """
+    start = max(float(t[0, 0]) for t in timelines)
+    end = min(float(t[-1, 0]) for t in timelines)
+    if end <= start:
+        return 0.0
+    done = sum(float(t[1:, 1][(t[1:, 0] > start) & (t[1:, 0] <= end)].sum()) for t in timelines)
+    return done / (end - start)
