@@ -88,6 +88,21 @@ def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path):
     assert set(_ours("plm-")) == before
 
 
+def test_parameter_server_traffic_crosses_the_shaped_links(tmp_path):
+    """2 workers and a server on 3 nodes at 100 Mbit/s: each step moves 2 x 1.2 MB into the server
+    and 2 x 1.2 MB out of it (~0.2 s each way over its link; ~2 ms over loopback)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "paraloom", "train", "--emulate", "3x100mbit", "--set", "parallel.mode=ps",
+         "--set", "model.name=mlp", "--set", "model.hidden=512", "--set", "model.depth=2",
+         "--set", "optim.max_steps=4", "--set", "run.name=ps", "--set", f"run.out_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    summary = json.loads((tmp_path / "ps" / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["servers"] == 1 and summary["steps"] == 4
+    assert summary["servers_stats"][0]["pushes_applied"] == 8
+    assert summary["comm_seconds_per_step"] > 0.25, summary["comm_seconds_per_step"]
+
+
 @pytest.mark.parametrize(("sig", "delay"),
                          [(signal.SIGINT, 1.0), (signal.SIGINT, 6.0), (signal.SIGTERM, 4.0)])
 def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig, delay):
