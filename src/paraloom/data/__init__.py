@@ -6,9 +6,10 @@ from paraloom.data.digits import load_digits
 from paraloom.data.sharding import ShardedBatches
 from paraloom.data.split import Split
 from paraloom.data.synthetic import make_synthetic
+from paraloom.data.text import load_text, unigram_loss
 from paraloom.errors import UserError
 
-DATASETS = {"digits": load_digits, "synthetic": make_synthetic}
+DATASETS = {"digits": load_digits, "synthetic": make_synthetic, "text": load_text}
 
 
 def load_dataset(name: str, **kwargs) -> Split:
@@ -17,4 +18,4 @@ def load_dataset(name: str, **kwargs) -> Split:
     return DATASETS[name](**kwargs)
 
 
-__all__ = ["DATASETS", "ShardedBatches", "Split", "load_dataset", "load_digits", "make_synthetic"]
+__all__ = ["DATASETS", "ShardedBatches", "Split", "load_dataset", "load_digits", "load_text", "make_synthetic", "unigram_loss"]

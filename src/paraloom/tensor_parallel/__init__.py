@@ -1,0 +1,37 @@
+"""Tensor parallelism (Megatron, Shoeybi et al. 2019): f/g mappings, parallel layers, GPT surgery."""
+
+from paraloom.tensor_parallel.apply import (
+    apply_tensor_parallel,
+    full_state_dict,
+    load_full_state_dict,
+    param_bytes,
+    tp_loss,
+)
+from paraloom.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from paraloom.tensor_parallel.mappings import (
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "apply_tensor_parallel",
+    "copy_to_region",
+    "full_state_dict",
+    "gather_from_region",
+    "load_full_state_dict",
+    "param_bytes",
+    "reduce_from_region",
+    "scatter_to_region",
+    "tp_loss",
+    "vocab_parallel_cross_entropy",
+]

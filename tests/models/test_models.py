@@ -1,0 +1,155 @@
+"""Reference models: each builds without memory and gives the right output shapes and parameter counts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paraloom.errors import UserError
+from paraloom.models import MODELS, build_model
+
+# name -> (input shape, n_classes) of a small real example
+SMALL = {
+    "cnn": ((1, 8, 8), 10),
+    "mlp": ((1, 8, 8), 10),
+    "resnet18": ((1, 8, 8), 10),
+    "resnet50": ((1, 8, 8), 10),
+    "vgg16": ((1, 8, 8), 10),
+    "gpt": ((16,), 256),
+}
+# keeps the real forward passes of the deep models fast on two cores; the shapes do not depend on it
+NARROW = {"width": 8, "fc_width": 16, "n_layers": 2, "d_model": 32, "n_heads": 4}
+
+
+def _n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _small_input(name: str) -> torch.Tensor:
+    shape, n_classes = SMALL[name]
+    if name == "gpt":
+        return torch.randint(0, n_classes, (2, *shape))
+    return torch.randn(2, *shape)
+
+
+def _expected_shape(name: str) -> tuple[int, ...]:
+    shape, n_classes = SMALL[name]
+    return (2, shape[0], n_classes) if name == "gpt" else (2, n_classes)
+
+
+def test_every_model_is_covered():
+    assert set(MODELS) == set(SMALL)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_builds_on_meta_without_memory(name):
+    shape, n_classes = SMALL[name]
+    with torch.device("meta"):
+        model = build_model(name, shape, n_classes)
+        x = _small_input(name)
+        y = model(x)
+    assert all(p.is_meta for p in model.parameters())
+    assert all(b.is_meta for b in model.buffers())
+    assert y.is_meta and tuple(y.shape) == _expected_shape(name)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_forward_shape_on_cpu(name):
+    torch.manual_seed(0)
+    shape, n_classes = SMALL[name]
+    model = build_model(name, shape, n_classes, **NARROW)
+    y = model(_small_input(name))
+    assert tuple(y.shape) == _expected_shape(name)
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg16"])
+@pytest.mark.parametrize("shape", [(3, 32, 32), (3, 64, 64), (3, 9, 13)])
+def test_image_models_take_other_sizes(name, shape):
+    model = build_model(name, shape, 7, **NARROW)
+    y = model(torch.randn(2, *shape))
+    assert tuple(y.shape) == (2, 7)
+    y.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("name", "expected"), [("resnet18", 11_689_512), ("resnet50", 25_557_032),
+                                                ("vgg16", 138_357_544)])
+def test_imagenet_parameter_counts_match_torchvision(name, expected):
+    with torch.device("meta"):
+        model = build_model(name, (3, 224, 224), 1000)
+        y = model(torch.empty(2, 3, 224, 224))
+    assert _n_params(model) == expected
+    assert tuple(y.shape) == (2, 1000)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_resnet_stem_follows_image_size(name):
+    with torch.device("meta"):
+        small, large = build_model(name, (3, 32, 32), 10), build_model(name, (3, 224, 224), 10)
+    assert small[0][0].kernel_size == (3, 3) and small[0][0].stride == (1, 1)
+    assert not any(isinstance(m, nn.MaxPool2d) for m in small[0])
+    assert large[0][0].kernel_size == (7, 7) and large[0][0].stride == (2, 2)
+    assert any(isinstance(m, nn.MaxPool2d) for m in large[0])
+
+
+def test_models_are_sequences_of_coarse_pieces():
+    with torch.device("meta"):
+        assert len(build_model("resnet18", (3, 32, 32), 10)) == 1 + 8 + 1  # stem, blocks, head
+        assert len(build_model("resnet50", (3, 32, 32), 10)) == 1 + 16 + 1
+        assert len(build_model("vgg16", (3, 32, 32), 10)) == 13 + 3  # convolutions, classifier
+
+
+def test_vgg_skips_pools_below_one_pixel_and_narrows_classifier():
+    with torch.device("meta"):
+        digits = build_model("vgg16", (1, 8, 8), 10)
+        imagenet = build_model("vgg16", (3, 224, 224), 10)
+    assert sum(isinstance(m, nn.MaxPool2d) for m in digits.modules()) == 3  # 8 -> 4 -> 2 -> 1
+    assert sum(isinstance(m, nn.MaxPool2d) for m in imagenet.modules()) == 5
+    assert [m.out_features for m in digits.modules() if isinstance(m, nn.Linear)] == [512, 512, 10]
+    assert [m.out_features for m in imagenet.modules() if isinstance(m, nn.Linear)] == [4096, 4096, 10]
+
+
+def _gpt_step(recompute: bool):
+    torch.manual_seed(0)
+    model = build_model("gpt", (16,), 256, n_layers=2, d_model=32, n_heads=4, recompute=recompute)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()], sum(storages.values())
+
+
+def test_gpt_recompute_gives_same_loss_and_gradients_with_fewer_saved_bytes():
+    loss, grads, saved = _gpt_step(recompute=False)
+    loss_rc, grads_rc, saved_rc = _gpt_step(recompute=True)
+    torch.testing.assert_close(loss_rc, loss)
+    torch.testing.assert_close(grads_rc, grads)
+    assert saved_rc < saved / 2
+
+
+def test_gpt_rejects_images():
+    with pytest.raises(UserError, match="data.name=text"):
+        build_model("gpt", (1, 8, 8), 10)
+
+
+def test_gpt_rejects_heads_not_dividing_width():
+    with pytest.raises(UserError, match="choose n_heads in"):
+        build_model("gpt", (16,), 256, d_model=32, n_heads=5)
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet18", "resnet50", "vgg16"])
+def test_image_models_reject_sequences(name):
+    with pytest.raises(UserError, match="channels, height, width"):
+        build_model(name, (16,), 256)
+
+
+def test_unknown_model_lists_the_names():
+    with pytest.raises(UserError, match="resnet18"):
+        build_model("alexnet", (3, 32, 32), 10)
