@@ -282,8 +282,20 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     table.add_row("wall time", f"{summary['wall_seconds']:.1f} s "
                                f"(training {summary['train_seconds']:.1f} s)")
     table.add_row("throughput", f"{summary['samples_per_second']:,.0f} samples/s")
-    table.add_row("communicated", f"{summary['comm_bytes_per_step'] / 1e3:,.1f} kB/step per rank "
-                                  f"({summary['comm_seconds_per_step'] * 1e3:.2f} ms/step)")
+    if "val_loss" in summary:
+        bar = f" (unigram baseline {summary['unigram_loss']:.3f})" if "unigram_loss" in summary else ""
+        table.add_row("validation loss", f"{summary['val_loss']:.3f}{bar}")
+    if "grid" in summary:
+        g = summary["grid"]
+        table.add_row("grid", f"dp {g['dp']} x tp {g['tp']} x pp {g['pp']}, {summary['schedule']}, "
+                              f"{summary['microbatches']} micro-batches")
+        table.add_row("step time", f"{summary['step_seconds'] * 1e3:.1f} ms; bubble per rank "
+                                   + " ".join(f"{b:.2f}" for b in summary["bubble_per_rank"]))
+        table.add_row("parameters", "MB per rank " + " ".join(
+            f"{b / 2**20:.2f}" for b in summary["param_bytes_per_rank"]))
+    else:
+        table.add_row("communicated", f"{summary['comm_bytes_per_step'] / 1e3:,.1f} kB/step per rank "
+                                      f"({summary['comm_seconds_per_step'] * 1e3:.2f} ms/step)")
     table.add_row("run directory", str(run_dir))
     Console().print(table)
 

@@ -56,19 +56,23 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _choices("cnn", "mlp", default="cnn")  # reference model
+    name: str = _choices("cnn", "mlp", "gpt", "resnet18", "resnet50", "vgg16", default="cnn")  # see models/
     hidden: int = 128  # width of the hidden (fully connected) layer(s)
     depth: int = 2  # mlp: number of hidden layers
     channels: int = 32  # cnn: channels of the first convolution (the second has twice as many)
+    n_layers: int = 4  # gpt: transformer blocks
+    d_model: int = 128  # gpt: hidden size
+    n_heads: int = 4  # gpt: attention heads (divides d_model; tensor parallelism splits them)
+    recompute: bool = False  # gpt: recompute each block's activations in backward (saves memory)
 
     def __post_init__(self) -> None:
-        for key in ("hidden", "depth", "channels"):
+        for key in ("hidden", "depth", "channels", "n_layers", "d_model", "n_heads"):
             _positive(self, key)
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    name: str = _choices("digits", "synthetic", default="digits")  # data set
+    name: str = _choices("digits", "synthetic", "text", default="digits")  # text: stdlib source bytes
     batch_size: int = 64  # global batch per step, split evenly across data-parallel ranks
     test_fraction: float = 0.2  # held-out share, stratified, fixed by split_seed
     split_seed: int = 0  # seed of the train/test split
@@ -76,9 +80,11 @@ class DataConfig:
     n_samples: int = 4096  # synthetic: number of samples
     n_features: int = 32  # synthetic: features per sample
     n_classes: int = 4  # synthetic: classes
+    seq_len: int = 128  # text: bytes per sample (the gpt's context)
+    text_bytes: int = 1_000_000  # text: training bytes read (validation gets test_fraction as much)
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "n_samples", "n_features"):
+        for key in ("batch_size", "n_samples", "n_features", "seq_len", "text_bytes"):
             _positive(self, key)
         if self.n_classes < 2:
             raise UserError(f"data.n_classes={self.n_classes} must be at least 2")
@@ -107,12 +113,31 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    mode: str = _choices("dp", "ps", default="dp")  # dp: data parallel (comm.*); ps: parameter server (ps.*)
+    # dp: data parallel (comm.*), with tp/pp > 1 a dp x tp x pp hybrid; ps: parameter server (ps.*);
+    # layers: plain model parallelism, consecutive layers on consecutive ranks, no micro-batches
+    mode: str = _choices("dp", "ps", "layers", default="dp")
     nproc: int = 2  # worker processes per node (`--nproc`)
+    tp: int = 1  # tensor-parallel ranks per model replica (Megatron: heads and MLP columns split)
+    pp: int = 1  # pipeline stages per model replica (layers mode: every rank is a stage)
+    microbatches: int = 1  # pipeline: micro-batches per step (m)
+    schedule: str = _choices("1f1b", "gpipe", default="1f1b")  # pipeline schedule
+    balance: str = _choices("params", "time", default="params")  # pipeline stages balanced by
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise UserError(f"parallel.nproc={self.nproc} must be at least 1")
+        for key in ("tp", "pp", "microbatches"):
+            _positive(self, key)
+        if self.mode == "ps" and (self.tp > 1 or self.pp > 1):
+            raise UserError("parallel.mode=ps trains whole replicas: leave parallel.tp and parallel.pp at 1")
+        if self.mode == "layers" and (self.tp > 1 or self.microbatches > 1):
+            raise UserError("parallel.mode=layers has no micro-batches or tensor parallelism: for those "
+                            "use parallel.mode=dp with parallel.pp / parallel.microbatches / parallel.tp")
+
+    @property
+    def model_parallel(self) -> bool:
+        """True when a replica spans several ranks (tensor or pipeline parallel, or layers mode)."""
+        return self.mode == "layers" or self.tp > 1 or self.pp > 1
 
 
 @dataclass(kw_only=True)
@@ -239,14 +264,31 @@ class Config:
         """Processes started for `workers` workers: they and, in ps mode, the servers."""
         return workers + (self.ps.servers if self.parallel.mode == "ps" else 0)
 
+    def grid(self, world_size: int) -> tuple[int, int, int]:
+        """(dp, tp, pp) for `world_size` workers; layers mode makes every rank a stage."""
+        par = self.parallel
+        pp = world_size if par.mode == "layers" and par.pp == 1 else par.pp
+        if world_size % (par.tp * pp):
+            raise UserError(f"parallel.tp={par.tp} x parallel.pp={pp} does not divide {world_size} "
+                            f"workers; choose a world size that is a multiple of {par.tp * pp}")
+        return world_size // (par.tp * pp), par.tp, pp
+
     def validate_world(self, world_size: int) -> None:
         """Checks that depend on the number of workers; run before any worker starts."""
-        if self.data.batch_size % world_size:
-            below = self.data.batch_size // world_size * world_size
-            near = f"{below} or {below + world_size}" if below else str(world_size)
+        dp, tp, pp = self.grid(world_size)
+        if self.data.batch_size % dp:
+            below = self.data.batch_size // dp * dp
+            near = f"{below} or {below + dp}" if below else str(dp)
+            who = "data-parallel replicas" if self.parallel.model_parallel else "workers"
             raise UserError(
-                f"data.batch_size={self.data.batch_size} cannot be split across {world_size} "
-                f"workers; choose a multiple of {world_size}, e.g. {near}")
+                f"data.batch_size={self.data.batch_size} cannot be split across {dp} "
+                f"{who}; choose a multiple of {dp}, e.g. {near}")
+        m = self.parallel.microbatches
+        if (self.data.batch_size // dp) % m:
+            raise UserError(f"the per-replica batch of {self.data.batch_size // dp} does not split into "
+                            f"parallel.microbatches={m}; choose data.batch_size as a multiple of {dp * m}")
+        if self.parallel.model_parallel:
+            self._validate_model_parallel(dp, tp, pp)
         if self.run.inject is not None:
             from paraloom.train.faults import check_faults, parse_faults
 
@@ -254,6 +296,27 @@ class Config:
         if self.model.name == "cnn" and self.data.name == "synthetic":
             raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
                             "use model.name=mlp")
+        if (self.model.name == "gpt") != (self.data.name == "text"):
+            raise UserError(f"model.name={self.model.name} cannot train on data.name={self.data.name}: "
+                            "the gpt reads data.name=text, and only the gpt does")
+
+    def _validate_model_parallel(self, dp: int, tp: int, pp: int) -> None:
+        if self.parallel.mode == "ps":
+            raise UserError("parallel.mode=ps trains whole replicas on every worker")
+        if tp > 1:
+            if self.model.name != "gpt":
+                raise UserError(f"parallel.tp={tp} splits the gpt's attention heads and MLP; "
+                                f"model.name={self.model.name} has none: use model.name=gpt or tp=1")
+            if self.model.n_heads % tp:
+                options = [t for t in range(1, self.model.n_heads + 1) if self.model.n_heads % t == 0]
+                raise UserError(f"parallel.tp={tp} does not divide model.n_heads={self.model.n_heads}; "
+                                f"choose tp in {{{', '.join(map(str, options))}}}")
+        if pp > 1 and self.model.name == "gpt" and pp > self.model.n_layers + 2:
+            raise UserError(f"parallel.pp={pp} stages exceed the gpt's {self.model.n_layers + 2} pieces "
+                            "(embedding, blocks, head): raise model.n_layers or lower parallel.pp")
+        if self.comm.sync != "sync" or self.comm.shard_optimizer:
+            raise UserError("tensor and pipeline parallelism run with comm.sync=sync and "
+                            "comm.shard_optimizer=false")
 
 
 def _positive(section: Any, key: str) -> None:

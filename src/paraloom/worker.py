@@ -60,11 +60,13 @@ def run(config: dict[str, Any], run_dir: str | None, started_at: float,
     """Elastic-agent entry: one rank's whole life, process group set up and torn down."""
     from paraloom.train import train
 
-    if config.get("parallel", {}).get("mode") == "ps":
+    cfg = Config.from_dict(config)
+    if cfg.parallel.mode == "ps":
         from paraloom.parameter_server.train import train_ps as train
+    elif cfg.parallel.model_parallel:
+        from paraloom.train.hybrid import train_model_parallel as train
 
     torch.set_num_threads(_threads_per_worker())
-    cfg = Config.from_dict(config)
     device = pick_device(cfg.run)
     init_distributed(cfg.comm, device, interface=interface or cfg.comm.interface)
     try:

@@ -18,4 +18,5 @@ def load_dataset(name: str, **kwargs) -> Split:
     return DATASETS[name](**kwargs)
 
 
-__all__ = ["DATASETS", "ShardedBatches", "Split", "load_dataset", "load_digits", "load_text", "make_synthetic", "unigram_loss"]
+__all__ = ["DATASETS", "ShardedBatches", "Split", "load_dataset", "load_digits", "load_text",
+           "make_synthetic", "unigram_loss"]

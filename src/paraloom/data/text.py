@@ -55,7 +55,8 @@ def load_text(*, seq_len: int = 128, text_bytes: int = 1_000_000, test_fraction:
     cut = int(test_fraction * 1000)
     root = stdlib_root() if root is None else root
     for _, path in stdlib_files(root):
-        side = "test" if zlib.crc32(str(path.relative_to(root)).encode(), split_seed) % 1000 < cut else "train"
+        held_out = zlib.crc32(str(path.relative_to(root)).encode(), split_seed) % 1000 < cut
+        side = "test" if held_out else "train"
         if held[side] >= budget[side]:
             if all(held[s] >= budget[s] for s in held):
                 break

@@ -1,0 +1,304 @@
+"""PipelineStage: one runtime that runs any schedule's actions for one stage over point-to-point messages.
+
+Per action: F_i takes micro-batch i's input (the first stage's `inputs[i]`, else the activation
+received from the previous stage), runs the stage module and sends the output on (the last stage
+computes `loss_fn(out, targets[i])` scaled by its micro-batch's share of the batch instead); B_i
+back-propagates the gradient received from the next stage (the last stage: its scaled loss) and
+sends the input's gradient back. Receives are posted a couple of actions ahead; sends are
+asynchronous and waited for at the end of the step, so any deadlock-free schedule runs.
+
+Activation shapes are not configured: every forward message is preceded by a 16-int header
+(dtype code, ndim, shape), so micro-batch sizes and sequence lengths may change between steps
+and even within one. Gradients need no header: a stage knows the shape of its own output.
+Tags are unique per (micro-batch, channel): header, activation, gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraloom.comm.p2p import Peers
+from paraloom.errors import UserError
+from paraloom.pipeline_parallel.schedules import Action, make_schedule, validate
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+          torch.uint8, torch.bool]
+HEADER = 16  # int64 slots: dtype code, ndim, then the shape
+LOOKAHEAD = 2  # actions whose receives are posted before they run
+HEADER_TAG, ACTIVATION_TAG, GRAD_TAG = range(3)
+
+
+def _tag(microbatch: int, channel: int) -> int:
+    return microbatch * 3 + channel
+
+
+@dataclass
+class StepStats:
+    """What one stage measured during one step."""
+
+    step_seconds: float  # wall time of `step`, from the first action to the last send completed
+    busy_seconds: float  # forward and backward compute, waits excluded
+    peak_activation_bytes: int  # most bytes held for backward at once (saved tensors, inputs, outputs)
+    n_microbatches: int
+
+    @property
+    def bubble(self) -> float:
+        """Share of the step this stage spent not computing (waiting for its neighbours)."""
+        return 1 - self.busy_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+
+def split_microbatches(batch: torch.Tensor, n_microbatches: int) -> list[torch.Tensor]:
+    """Cut a batch along dim 0 into `n_microbatches` pieces (sizes differ by at most one)."""
+    if not 1 <= n_microbatches <= len(batch):
+        raise UserError(f"cannot cut a batch of {len(batch)} into {n_microbatches} micro-batches; "
+                        f"choose n_microbatches between 1 and {len(batch)}")
+    return list(torch.tensor_split(batch, n_microbatches))
+
+
+class _Held:
+    """Bytes of distinct storages one micro-batch keeps alive for its backward (parameters excluded)."""
+
+    def __init__(self, skip: set[int]) -> None:
+        self.skip, self.storages = skip, {}
+
+    def add(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
+            return
+        if storage.data_ptr() not in self.skip:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class PipelineStage:
+    """One pipeline stage: `module` (a slice of the model) as stage `stage` of `n_stages` in `pp_group`.
+
+    `pp_group` ranks are stages in order (group rank = stage; `Topology`'s pp groups are). The last
+    stage needs `loss_fn(output, target) -> mean loss of the micro-batch`. `module` may be a
+    `DataParallel` engine; pass its `no_sync` to `step`. `history` keeps every step's `StepStats`.
+    """
+
+    def __init__(self, module: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
+                 stage: int | None = None, n_stages: int | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.module = module
+        self.group = pp_group
+        self.peers = Peers(pp_group)
+        self.stage = self.peers.rank if stage is None else stage
+        self.n_stages = self.peers.size if n_stages is None else n_stages
+        if (self.stage, self.n_stages) != (self.peers.rank, self.peers.size):
+            raise UserError(f"stage {self.stage} of {self.n_stages} does not match this rank's place in the "
+                            f"pp group (rank {self.peers.rank} of {self.peers.size}); stages are the "
+                            "group's ranks in order")
+        if self.is_last and loss_fn is None:
+            raise UserError("the last pipeline stage needs loss_fn=, e.g. lambda out, y: "
+                            "F.cross_entropy(out.flatten(0, 1), y.flatten())")
+        self.loss_fn = loss_fn
+        first = next(module.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        ranks = range(self.peers.size)
+        whole = pp_group is None or pp_group == dist.group.WORLD
+        self._global = list(ranks) if whole else [dist.get_global_rank(pp_group, r) for r in ranks]
+        self._schedules: dict[tuple[str, int], list[Action]] = {}
+        self.history: list[StepStats] = []
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    def actions(self, name: str, n_microbatches: int) -> list[Action]:
+        """This stage's actions under the registered schedule `name` (validated once, then cached)."""
+        key = (name, n_microbatches)
+        if key not in self._schedules:
+            schedule = make_schedule(name, self.n_stages, n_microbatches)
+            validate(schedule, n_microbatches)
+            self._schedules[key] = schedule[self.stage]
+        return self._schedules[key]
+
+    # ---- one step
+
+    def step(self, schedule: str | Sequence[Action | str], inputs: Sequence[torch.Tensor] | None = None,
+             targets: Sequence[torch.Tensor] | None = None, *, n_microbatches: int | None = None,
+             no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+             broadcast_loss: bool = False) -> tuple[torch.Tensor | None, StepStats]:
+        """Run this stage's part of one training step; gradients accumulate in the module's `.grad`.
+
+        `schedule`: this stage's actions ("F0", "B0", ... or `Action`s), or a schedule name with
+        `n_microbatches` (inferred from `inputs` or `targets` where this stage has them).
+        `inputs` are used on the first stage, `targets` on the last, one per micro-batch; other
+        stages ignore them. Micro-batch i's loss weighs len(targets[i]) / total, so the gradient
+        equals the whole batch's mean-loss gradient. `no_sync` (e.g. `engine.no_sync`) wraps every
+        backward but this stage's last, so the data-parallel sync overlaps the last backward.
+        Returns the batch's mean loss (detached) on the last stage, else None; on every stage with
+        `broadcast_loss` (a broadcast over the pp group, which all stages must then ask for).
+        """
+        if isinstance(schedule, str):
+            m = n_microbatches or (len(inputs) if self.is_first and inputs is not None else None) or (
+                len(targets) if self.is_last and targets is not None else None)
+            if m is None:
+                raise UserError(f"stage {self.stage} cannot tell the number of micro-batches; "
+                                "pass n_microbatches=")
+            actions = self.actions(schedule, m)
+        else:
+            actions = [Action.parse(a) for a in schedule]
+            m = sum(a.kind == "F" for a in actions)
+            try:
+                validate([actions], m)
+            except UserError as e:
+                raise UserError(f"stage {self.stage}'s actions: {e}") from None
+        if m < 1:
+            raise UserError(f"stage {self.stage} got no forward actions; give at least one micro-batch")
+        for what, given, needed in (("inputs", inputs, self.is_first), ("targets", targets, self.is_last)):
+            if needed and (given is None or len(given) != m):
+                raise UserError(f"stage {self.stage} needs {what}= with one tensor per micro-batch "
+                                f"({m}), got {'none' if given is None else len(given)}")
+        weights: list[float] = []
+        if self.is_last:
+            sizes = [len(t) if t.dim() else 1 for t in targets]
+            weights = [n / sum(sizes) for n in sizes]
+        run = _Run(self, actions, inputs, targets, weights, no_sync)
+        loss, stats = run.execute()
+        self.history.append(stats)
+        if broadcast_loss and self.n_stages > 1:
+            if loss is None:
+                loss = torch.zeros((), device=self.device)
+            dist.broadcast(loss, src=self._global[-1], group=self.group)
+        return loss, stats
+
+
+class _Run:
+    """The state of one step on one stage: posted receives, pending sends, what F_i keeps for B_i."""
+
+    def __init__(self, stage: PipelineStage, actions: list[Action], inputs, targets, weights,
+                 no_sync) -> None:
+        self.s, self.actions = stage, actions
+        self.inputs, self.targets, self.weights = inputs, targets, weights
+        self.no_sync = no_sync
+        self.last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
+        self.posted: dict[Action, list] = {}  # action -> [header work, header, data work, data]
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # i -> (input, output|loss, bytes)
+        self.params = {p.untyped_storage().data_ptr() for p in stage.module.parameters()}
+        self.busy = 0.0
+        self.held = self.peak = 0
+        self.loss = torch.zeros((), device=stage.device) if stage.is_last else None
+
+    def execute(self) -> tuple[torch.Tensor | None, StepStats]:
+        start = time.perf_counter()
+        for k, action in enumerate(self.actions):
+            self.prefetch(k)
+            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+            if action.kind == "F":
+                self.forward(action.microbatch)
+            else:
+                self.backward(action.microbatch, last=k == self.last_backward)
+        for work, _ in self.sends:
+            work.wait()
+        stats = StepStats(time.perf_counter() - start, self.busy, self.peak,
+                          sum(a.kind == "F" for a in self.actions))
+        return self.loss, stats
+
+    # ---- receives
+
+    def prefetch(self, k: int) -> None:
+        """Post the receives of the next LOOKAHEAD actions (a gradient once its forward ran)."""
+        s = self.s
+        for action in self.actions[k: k + LOOKAHEAD + 1]:
+            i = action.microbatch
+            if action.kind == "F" and not s.is_first:
+                slot = self.posted.setdefault(action, [None, None, None, None])
+                if slot[0] is None:
+                    slot[1] = torch.empty(HEADER, dtype=torch.int64, device=s.device)
+                    slot[0] = s.peers.irecv(slot[1], s.stage - 1, _tag(i, HEADER_TAG))
+                if slot[2] is None and slot[0].is_completed():
+                    self.post_activation(action, slot)
+            elif action.kind == "B" and not s.is_last and action not in self.posted and i in self.kept:
+                out = self.kept[i][1]
+                grad = torch.empty(out.shape, dtype=out.dtype, device=s.device)
+                self.posted[action] = [None, None, s.peers.irecv(grad, s.stage + 1, _tag(i, GRAD_TAG)), grad]
+
+    def post_activation(self, action: Action, slot: list) -> None:
+        slot[0].wait()
+        header = slot[1].tolist()
+        dtype, shape = DTYPES[header[0]], header[2: 2 + header[1]]
+        slot[3] = torch.empty(shape, dtype=dtype, device=self.s.device)
+        slot[2] = self.s.peers.irecv(slot[3], self.s.stage - 1, _tag(action.microbatch, ACTIVATION_TAG))
+
+    def receive(self, action: Action) -> torch.Tensor:
+        slot = self.posted.pop(action)
+        if slot[2] is None:
+            self.post_activation(action, slot)
+        slot[2].wait()
+        return slot[3]
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.sends.append((self.s.peers.isend(tensor, peer, tag), tensor))
+
+    # ---- compute
+
+    def forward(self, i: int) -> None:
+        s = self.s
+        if s.is_first:
+            x = self.inputs[i].to(s.device)
+        else:
+            x = self.receive(Action("F", i))
+            if x.is_floating_point():
+                x.requires_grad_(True)
+        held = _Held(self.params)
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, lambda t: t):
+            out = s.module(x)
+            if s.is_last:
+                out = s.loss_fn(out, self.targets[i].to(s.device)) * self.weights[i]
+        self.busy += time.perf_counter() - start
+        held.add(x)
+        if s.is_last:
+            self.loss += out.detach()
+        else:
+            outgoing = out.detach().contiguous()
+            held.add(outgoing)
+            if len(outgoing.shape) > HEADER - 2 or outgoing.dtype not in DTYPES:
+                raise UserError(f"stage {s.stage} output {outgoing.dtype} {tuple(outgoing.shape)} cannot be "
+                                f"sent: the pipeline carries tensors of at most {HEADER - 2} dims of "
+                                f"dtypes {DTYPES}")
+            header = torch.zeros(HEADER, dtype=torch.int64, device=s.device)
+            header[0], header[1] = DTYPES.index(outgoing.dtype), outgoing.dim()
+            header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
+            self.send(header, s.stage + 1, _tag(i, HEADER_TAG))
+            self.send(outgoing, s.stage + 1, _tag(i, ACTIVATION_TAG))
+        self.kept[i] = (x, out, held.nbytes)
+        self.held += held.nbytes
+        self.peak = max(self.peak, self.held)
+
+    def backward(self, i: int, last: bool) -> None:
+        s = self.s
+        grad = None if s.is_last else self.receive(Action("B", i))
+        x, out, nbytes = self.kept.pop(i)
+        context = self.no_sync() if self.no_sync is not None and not last else contextlib.nullcontext()
+        start = time.perf_counter()
+        with context:
+            torch.autograd.backward(out, grad)
+        self.busy += time.perf_counter() - start
+        if not s.is_first:
+            dx = x.grad if x.grad is not None else torch.zeros_like(x)
+            self.send(dx.contiguous(), s.stage - 1, _tag(i, GRAD_TAG))
+        self.held -= nbytes

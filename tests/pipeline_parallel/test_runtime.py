@@ -1,0 +1,180 @@
+"""PipelineStage equals one process training the whole GPT on the whole batch, for any schedule."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_workers
+
+from paraloom.data_parallel import DataParallel
+from paraloom.errors import UserError
+from paraloom.models.gpt import GPT
+from paraloom.pipeline_parallel import (
+    PipelineStage,
+    balance_by_params,
+    make_schedule,
+    split_microbatches,
+    stage_module,
+)
+from paraloom.topology import Topology
+
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 256
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_gpt():
+    torch.manual_seed(0)
+    return GPT((SEQ,), VOCAB, n_layers=4, d_model=32, n_heads=4)
+
+
+def make_optimizer(name, params):
+    return torch.optim.SGD(params, lr=0.1) if name == "sgd" else torch.optim.Adam(params, lr=1e-2, eps=1e-4)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=g))
+
+
+def reference(opt_name):
+    """One process, whole model, whole batch."""
+    gpt = make_gpt()
+    opt = make_optimizer(opt_name, gpt.parameters())
+    x, y = data()
+    losses = []
+    for t in range(STEPS):
+        loss = lm_loss(gpt(x[t]), y[t])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in gpt.parameters()]
+
+
+def _pipeline(rank, world, schedule, m, opt_name):
+    gpt = make_gpt()  # every rank builds the whole model with one seed and keeps its slice
+    module = stage_module(gpt, balance_by_params(gpt, world), rank)
+    opt = make_optimizer(opt_name, module.parameters())
+    stage = PipelineStage(module, loss_fn=lm_loss)
+    x, y = data()
+    losses, bubbles = [], []
+    for t in range(STEPS):
+        inputs = split_microbatches(x[t], m) if stage.is_first else None
+        targets = split_microbatches(y[t], m) if stage.is_last else None
+        actions = schedule if isinstance(schedule, str) else schedule[rank]
+        loss, stats = stage.step(actions, inputs, targets, n_microbatches=m, broadcast_loss=True)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        bubbles.append(stats.bubble)
+    return losses, [p.detach().clone() for p in module.parameters()], bubbles
+
+
+def check(results, ref):
+    ref_losses, ref_params = ref
+    params = []
+    for losses, stage_params, *_ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        params += stage_params
+    torch.testing.assert_close(params, ref_params)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_equals_one_process(p, schedule, m):
+    results = run_workers(_pipeline, p, schedule, m, "sgd")
+    check(results, reference("sgd"))
+    for *_, bubbles in results:
+        assert all(0 <= b < 1 for b in bubbles)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_layers_is_model_parallelism(p):
+    assert make_schedule("layers", p, 1) == make_schedule("gpipe", p, 1)
+    check(run_workers(_pipeline, p, "layers", 1, "sgd"), reference("sgd"))
+
+
+def test_adam():
+    check(run_workers(_pipeline, 4, "1f1b", 4, "adam"), reference("adam"))
+
+
+def test_unequal_microbatches():
+    check(run_workers(_pipeline, 2, "1f1b", 3, "sgd"), reference("sgd"))  # sizes 3, 3, 2
+
+
+def test_any_feasible_action_lists():
+    """One runtime executes any valid schedule, not only the registered ones."""
+    schedule = [["F0", "F1", "B1", "B0"], ["F1", "F0", "B0", "B1"]]
+    check(run_workers(_pipeline, 2, schedule, 2, "sgd"), reference("sgd"))
+
+
+def _dp_pp(rank, world, schedule, m):
+    groups = Topology(dp=2, pp=2).init_groups()
+    gpt = make_gpt()
+    module = stage_module(gpt, balance_by_params(gpt, 2), groups.pp_rank)
+    engine = DataParallel(module, group=groups.dp_group)
+    opt = make_optimizer("sgd", module.parameters())
+    stage = PipelineStage(engine, pp_group=groups.pp_group, loss_fn=lm_loss)
+    x, y = data()
+    half = slice(groups.dp_rank * BATCH // 2, (groups.dp_rank + 1) * BATCH // 2)
+    losses = []
+    for t in range(STEPS):
+        loss, _ = stage.step(schedule, split_microbatches(x[t][half], m), split_microbatches(y[t][half], m),
+                             n_microbatches=m, no_sync=engine.no_sync, broadcast_loss=True)
+        engine.step(opt)
+        dist.all_reduce(loss, group=groups.dp_group)
+        losses.append(loss.item() / 2)
+    engine.close()
+    return groups.pp_rank, groups.dp_rank, losses, [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dp2_pp2_equals_one_process(schedule):
+    ref_losses, ref_params = reference("sgd")
+    results = run_workers(_dp_pp, 4, schedule, 2)
+    for dp_rank in range(2):
+        stages = sorted((pp, params) for pp, dp, _, params in results if dp == dp_rank)
+        torch.testing.assert_close([p for _, params in stages for p in params], ref_params)
+    for *_, losses, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+
+
+def _peaks(rank, world, m):
+    gpt = make_gpt()
+    stage = PipelineStage(stage_module(gpt, balance_by_params(gpt, world), rank), loss_fn=lm_loss)
+    x, y = data()
+    peaks = {}
+    for name in ("gpipe", "1f1b"):
+        _, stats = stage.step(name, split_microbatches(x[0], m), split_microbatches(y[0], m))
+        peaks[name] = stats.peak_activation_bytes
+    return peaks
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe():
+    first, last = run_workers(_peaks, 2, 8)
+    # stage 0 keeps all 8 micro-batches under GPipe, at most p - stage = 2 under 1F1B
+    assert 0 < first["1f1b"] < first["gpipe"]
+    assert first["1f1b"] == pytest.approx(first["gpipe"] * 2 / 8, rel=0.05)
+    assert last["1f1b"] == pytest.approx(last["gpipe"] / 8, rel=0.05)  # the last stage: one at a time
+
+
+def _missing_inputs(rank, world):
+    if rank == 1:
+        with pytest.raises(UserError, match="the last pipeline stage needs loss_fn="):
+            PipelineStage(torch.nn.Linear(2, 2))
+    stage = PipelineStage(stage_module(make_gpt(), [(0, 3), (3, 6)], rank), loss_fn=lm_loss)
+    what = "inputs" if rank == 0 else "targets"
+    with pytest.raises(UserError, match=f"needs {what}= with one tensor per micro-batch"):
+        stage.step("gpipe", None, None, n_microbatches=2)
+    with pytest.raises(UserError, match="B0 before F0"):
+        stage.step(["B0", "F0"])
+    return True
+
+
+def test_errors_say_what_to_do():
+    assert run_workers(_missing_inputs, 2) == [True, True]

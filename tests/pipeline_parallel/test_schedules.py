@@ -1,0 +1,129 @@
+"""Pipeline schedules as pure data: literal action lists, validation failures, grids, bubble fractions."""
+
+import pytest
+
+from paraloom.errors import UserError
+from paraloom.pipeline_parallel.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule1F1B,
+    ScheduleGPipe,
+    bubble_fraction,
+    format_grid,
+    idle_fraction,
+    make_schedule,
+    simulate,
+    validate,
+)
+
+
+def names(actions):
+    return " ".join(map(str, actions))
+
+
+def test_action_text():
+    assert str(Action("F", 0)) == "F0" and str(Action("B", 13)) == "B13"
+    assert Action.parse("B3") == Action("B", 3)
+    assert Action.parse(Action("F", 2)) == Action("F", 2)
+    for bad in ("X1", "F", "Fx", "", 3):
+        with pytest.raises(UserError, match="F<i>"):
+            Action.parse(bad)
+
+
+def test_registry_keys():
+    assert SCHEDULES["gpipe"] is ScheduleGPipe and SCHEDULES["1f1b"] is Schedule1F1B
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "layers"}
+
+
+def test_1f1b_p4_m8():
+    s = make_schedule("1f1b", 4, 8)
+    assert names(s[0]) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    assert names(s[1]) == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7"
+    assert names(s[3]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+
+
+def test_1f1b_fewer_microbatches_than_stages():
+    s = make_schedule("1f1b", 4, 2)
+    assert names(s[0]) == "F0 F1 B0 B1"  # warm-up capped at m
+    assert names(s[2]) == "F0 F1 B0 B1"  # one warm-up forward, then 1F1B
+    assert names(s[3]) == "F0 B0 F1 B1"
+
+
+def test_gpipe_and_layers():
+    assert [names(a) for a in make_schedule("gpipe", 2, 3)] == ["F0 F1 F2 B0 B1 B2"] * 2
+    assert [names(a) for a in make_schedule("layers", 3, 1)] == ["F0 B0"] * 3
+    with pytest.raises(UserError, match="use 1, or schedule 'gpipe' or '1f1b'"):
+        make_schedule("layers", 2, 4)
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(UserError, match="choose one of: gpipe, 1f1b, layers"):
+        make_schedule("zigzag", 2, 2)
+    with pytest.raises(UserError, match="n_microbatches=0"):
+        make_schedule("gpipe", 2, 0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+def test_generated_schedules_are_valid(name, p, m):
+    validate(make_schedule(name, p, m), m)
+
+
+def test_grid_gpipe():
+    assert format_grid(make_schedule("gpipe", 2, 2)) == (
+        "        | 0  1  2  3  4  5\n"
+        "stage 0 | F0 F1 .  .  B0 B1\n"
+        "stage 1 | .  F0 F1 B0 B1 .")
+
+
+def test_grid_1f1b():
+    assert format_grid(make_schedule("1f1b", 3, 3)) == (
+        "        | 0  1  2  3  4  5  6  7  8  9\n"
+        "stage 0 | F0 F1 F2 .  .  B0 .  B1 .  B2\n"
+        "stage 1 | .  F0 F1 .  B0 F2 B1 .  B2 .\n"
+        "stage 2 | .  .  F0 B0 F1 B1 F2 B2 .  .")
+
+
+@pytest.mark.parametrize("schedule, m, message", [
+    ([["F0", "B0"], ["F0"]], 1, "stage 1 misses B of micro-batch(es) [0]"),
+    ([["F0", "F0", "B0"], ["F0", "B0"]], 1, "stage 0 repeats F of micro-batch(es) [0]"),
+    ([["F0", "F1", "B0", "B1"], ["F0", "F2", "B0", "B1"]], 2, "stage 1 has unknown F of micro-batch(es) [2]"),
+    ([["B0", "F0"], ["F0", "B0"]], 1, "stage 0 runs B0 before F0"),
+    ([["F0", "B0", "F1", "B1"], ["F1", "F0", "B0", "B1"]], 2, "deadlocks: stage(s) [0, 1]"),
+    ([["F0", "Q0"]], 1, "'Q0' is not understood"),
+])
+def test_validation_failures(schedule, m, message):
+    with pytest.raises(UserError, match="invalid pipeline schedule") as err:
+        validate(schedule, m)
+    assert message in str(err.value)
+    assert "stage 0 |" in str(err.value) or "stage 0:" in str(err.value)  # the grid comes with it
+
+
+def test_deadlock_grid_shows_stuck_actions():
+    grid = format_grid([["F0", "B0", "F1", "B1"], ["F1", "F0", "B0", "B1"]])
+    assert grid.splitlines()[1:] == ["stage 0 | F0   stuck: B0 F1 B1", "stage 1 | .    stuck: F1 F0 B0 B1"]
+
+
+def test_reordered_but_feasible_schedule_is_valid():
+    validate([["F0", "F1", "B1", "B0"], ["F1", "F0", "B0", "B1"]], 2)  # odd, but nothing waits forever
+
+
+def test_simulated_dependencies():
+    placed, ran = simulate(make_schedule("1f1b", 2, 2), f_time=1, b_time=2)
+    assert ran == [4, 4]
+    when = {(pl.stage, str(pl.action)): (pl.start, pl.end) for pl in placed}
+    assert when[(1, "F0")] == (1, 2) and when[(1, "B0")] == (2, 4) and when[(0, "B0")] == (4, 6)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(1, 4), (2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (8, 16)])
+def test_idle_fraction_matches_theory(name, p, m):
+    """Unit forward, 2-unit backward: simulated idle share is (p - 1) / (m + p - 1)."""
+    simulated = idle_fraction(make_schedule(name, p, m), f_time=1, b_time=2)
+    assert simulated == pytest.approx(bubble_fraction(p, m))
+
+
+def test_bubble_fraction_values():
+    assert bubble_fraction(1, 8) == 0
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
