@@ -4,7 +4,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node N benchmarks/mp_peer.py \
         --kind pipelining|dtensor [--schedule gpipe|1f1b] [--microbatches M] --json OUT
 
-Each rank trains `--steps` steps of SGD on the same batches paraloom's runs read (the first
+Each rank trains `--steps` steps of Adam on the same batches paraloom's runs read (the first
 `--warmup` are not timed); global rank 0 writes the median step time, the losses and the
 parameter bytes of its rank. Run by benchmarks/model_parallel.py; not a paraloom feature.
 """
@@ -71,7 +71,7 @@ def run_pipelining(args: argparse.Namespace, rank: int, world: int) -> tuple[lis
     stage = PipelineStage(module, rank, world, torch.device("cpu"), input_args=(example,))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     schedule = kind(stage, args.microbatches, loss_fn=lm_loss)
-    optimizer = torch.optim.SGD(module.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(module.parameters(), lr=args.lr)
     times, losses = [], []
     data = batches(args)
     for _ in range(args.steps):
@@ -82,7 +82,7 @@ def run_pipelining(args: argparse.Namespace, rank: int, world: int) -> tuple[lis
         elif rank == world - 1:
             step_losses: list[torch.Tensor] = []
             schedule.step(target=y, losses=step_losses)
-            losses.append(float(torch.stack(step_losses).mean()))
+            losses.append(float(torch.stack(step_losses).detach().mean()))
         else:
             schedule.step()
         optimizer.step()
@@ -103,7 +103,7 @@ def run_dtensor(args: argparse.Namespace, rank: int, world: int) -> tuple[list[f
             parallelize_module(piece, mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                              "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
             piece.attn.n_heads //= world
-    optimizer = torch.optim.SGD(gpt.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(gpt.parameters(), lr=args.lr)
     times, losses = [], []
     data = batches(args)
     for _ in range(args.steps):
@@ -130,7 +130,7 @@ def main() -> int:
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--text-bytes", type=int, default=1_000_000)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

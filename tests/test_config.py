@@ -109,3 +109,45 @@ def test_compressor_options_come_from_the_keys_that_were_set():
     assert CommConfig(compressor="powersgd", lowrank=3).compressor_options() == {"rank": 3}
     assert CommConfig(compressor="topk", density=0.5).compressor_options() == {"density": 0.5}
     assert CommConfig(compressor="qsgd").compressor_options() == {}
+
+
+GPT = ["model.name=gpt", "data.name=text"]
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), [
+    ([*GPT, "parallel.tp=3"], 3, r"parallel.tp=3 does not divide model.n_heads=4; choose tp in \{1, 2, 4\}"),
+    (["parallel.tp=2"], 2, r"parallel.tp=2 splits the gpt's .* model.name=cnn has none"),
+    (["model.name=gpt"], 1, r"model.name=gpt cannot train on data.name=digits"),
+    (["model.name=mlp", "data.name=text"], 1, r"model.name=mlp cannot train on data.name=text"),
+    ([*GPT, "parallel.pp=2", "parallel.microbatches=3"], 4,
+     r"per-replica batch of 32 does not split into parallel.microbatches=3; .* multiple of 6"),
+    ([*GPT, "parallel.tp=2", "parallel.pp=2"], 6,
+     r"parallel.tp=2 x parallel.pp=2 does not divide 6 workers; .* multiple of 4"),
+    ([*GPT, "parallel.pp=7"], 7, r"parallel.pp=7 stages exceed the gpt's 6 pieces"),
+    ([*GPT, "parallel.pp=2", "comm.sync=local_sgd"], 2, r"run with comm.sync=sync"),
+])
+def test_model_parallel_world_checks(overrides, world, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(UserError, match=message):
+        cfg.validate_world(world)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.mode=layers", "parallel.microbatches=2"], r"parallel.mode=layers has no micro-batches"),
+    (["parallel.mode=layers", "parallel.tp=2"], r"parallel.mode=layers has no .* tensor parallelism"),
+    (["parallel.mode=ps", "parallel.tp=2"], r"parallel.mode=ps trains whole replicas: leave parallel.tp"),
+    (["parallel.mode=ps", "parallel.pp=2"], r"parallel.mode=ps trains whole replicas"),
+    (["parallel.microbatches=0"], r"parallel.microbatches=0 must be at least 1"),
+])
+def test_model_parallel_modes_refused(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
+def test_grids_of_model_parallel_runs():
+    assert load_config(None, [*GPT, "parallel.tp=2", "parallel.pp=2"]).grid(8) == (2, 2, 2)
+    assert load_config(None, ["parallel.mode=layers"]).grid(3) == (1, 1, 3)  # every rank a stage
+    layers = load_config(None, ["parallel.mode=layers", "data.batch_size=64"])
+    assert layers.parallel.model_parallel and not load_config().parallel.model_parallel
+    layers.validate_world(3)  # one replica takes the whole batch
+    load_config(None, [*GPT, "parallel.tp=4", "parallel.pp=2", "parallel.microbatches=4"]).validate_world(16)

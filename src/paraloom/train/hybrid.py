@@ -12,6 +12,7 @@ Checkpoints are per rank (each holds its own shard) and resume on the same grid.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -228,9 +229,11 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
     loss_value = None
     loop_start, samples_at_start = time.perf_counter(), samples
     try:
+        per_epoch = len(split.y_train) // cfg.data.batch_size  # full batches: the short last one is dropped
         while step < total_steps:
-            epoch = step // len(batches)
-            for local_idx, global_count in batches.epoch(epoch):
+            epoch = step // per_epoch
+            # from the resumed position: a resumed run takes the batches a straight run would
+            for local_idx, global_count in itertools.islice(batches.epoch(epoch), step % per_epoch, None):
                 if global_count < cfg.data.batch_size:
                     continue  # the partial last batch: micro-batches stay the same size
                 if step == total_steps:

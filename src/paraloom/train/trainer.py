@@ -58,38 +58,41 @@ def make_optimizer(cfg: OptimConfig, params, comm: CommConfig | None = None) -> 
 
 def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, global_count: int,
                dp_world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to back-propagate, summed loss of this shard).
+    """(loss to back-propagate, summed loss of this shard's samples).
 
     The back-propagated loss is sum / global_count * dp_world_size, so that averaging gradients
     over the data-parallel group gives exactly the gradient of the global batch's mean loss,
-    even when the last batch of an epoch splits unevenly (see data/sharding.py).
+    even when the last batch of an epoch splits unevenly (see data/sharding.py). A sample with
+    several targets (a sequence's tokens) counts by its mean loss per target.
     """
-    loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+    out = model(x)
+    per_sample = y[0].numel() if y.dim() > 1 else 1
+    loss_sum = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum") / per_sample
     return loss_sum * (dp_world_size / global_count), loss_sum.detach()
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: Split, groups: RankGroups, batch: int = 1024) -> float:
-    """Test accuracy; each data-parallel rank scores a slice and the counts are summed."""
+    """Test accuracy per target; each data-parallel rank scores a slice and the counts are summed."""
     model.eval()
     x = split.x_test.tensor_split(groups.dp_world_size)[groups.dp_rank]
     y = split.y_test.tensor_split(groups.dp_world_size)[groups.dp_rank]
     correct = torch.zeros((), dtype=torch.float64, device=split.x_test.device)
     for xb, yb in zip(x.split(batch), y.split(batch), strict=True):
-        correct += (model(xb).argmax(dim=1) == yb).sum()
+        correct += (model(xb).argmax(dim=-1) == yb).sum()
     dist.all_reduce(correct, group=groups.dp_group)
     model.train()
-    return float(correct) / len(split.y_test)
+    return float(correct) / split.y_test.numel()
 
 
 @torch.no_grad()
 def local_accuracy(model: nn.Module, split: Split, batch: int = 1024) -> float:
     """Test accuracy of this rank's model on the whole test set, without communication."""
     model.eval()
-    correct = sum(int((model(xb).argmax(dim=1) == yb).sum())
+    correct = sum(int((model(xb).argmax(dim=-1) == yb).sum())
                   for xb, yb in zip(split.x_test.split(batch), split.y_test.split(batch), strict=True))
     model.train()
-    return correct / len(split.y_test)
+    return correct / split.y_test.numel()
 
 
 def shared_run_dir(run_dir: Path | None) -> Path | None:

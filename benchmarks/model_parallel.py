@@ -1,0 +1,240 @@
+"""Model parallelism on the byte-level GPT and the stdlib text: step time, memory and bubble per plan.
+
+    python benchmarks/model_parallel.py [--quick] --json OUT
+
+Every paraloom row is `paraloom train --nproc N` (the elastic launcher, gloo on loopback) with
+the GPT below; the peers run the same model, batch and optimizer under torchrun
+(benchmarks/mp_peer.py). Parts:
+  (a) 4 workers: DP, TP = 2 (dp2 x tp2) and 4, PP = 2 (dp2 x pp2) and 4 with m = 1, 2, 4, 8 under
+      gpipe and 1f1b, layers (4 stages), tp2 x pp2; per-rank parameter bytes, peak held
+      activation bytes, peak RSS, step time and measured bubble;
+  (b) 2 workers, one core each: p = 2, m = 8, paraloom gpipe and 1f1b against torch.distributed
+      .pipelining's ScheduleGPipe and Schedule1F1B (alternated, `--repeats` times, medians), and
+      the bubble against theory (p-1)/(m+p-1); TP = 2 against DTensor's parallelize_module;
+  (c) learning: dp2 x pp2 (1f1b, m = 4) for `LEARN_STEPS` steps; validation loss against the
+      unigram baseline of the same split.
+A step time is the median over a run's steps (the first two excluded) of the slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+GPT = {"seq_len": 64, "n_layers": 4, "d_model": 128, "n_heads": 4, "batch_size": 32}
+STEPS = 14
+LEARN_STEPS = 300
+ROOT = Path(__file__).resolve().parent
+
+
+def gpt_args(gpt: dict[str, int]) -> list[str]:
+    return ["--set", "model.name=gpt", "--set", "data.name=text",
+            "--set", f"data.seq_len={gpt['seq_len']}", "--set", f"model.n_layers={gpt['n_layers']}",
+            "--set", f"model.d_model={gpt['d_model']}", "--set", f"model.n_heads={gpt['n_heads']}",
+            "--set", f"data.batch_size={gpt['batch_size']}"]
+
+
+def paraloom(out: Path, name: str, nproc: int, gpt: dict[str, int], steps: int, *sets: str) -> dict[str, Any]:
+    """One `paraloom train` run; returns its summary."""
+    cmd = [sys.executable, "-m", "paraloom", "train", "--nproc", str(nproc), *gpt_args(gpt),
+           "--set", f"optim.max_steps={steps}", "--set", "run.checkpoint_every=0",
+           "--set", "run.save_model=false", "--set", f"run.out_dir={out}", "--set", f"run.name={name}"]
+    for s in sets:
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if done.returncode:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+    return json.loads((out / name / "summary.json").read_text())
+
+
+def peer(out: Path, name: str, nproc: int, gpt: dict[str, int], steps: int, *args: str) -> dict[str, Any]:
+    """One run of a torch peer under torchrun; returns its report."""
+    path = out / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "mp_peer.py"), "--seq-len", str(gpt["seq_len"]), "--n-layers", str(gpt["n_layers"]),
+           "--d-model", str(gpt["d_model"]), "--n-heads", str(gpt["n_heads"]),
+           "--batch-size", str(gpt["batch_size"]), "--steps", str(steps), "--json", str(path), *args]
+    for _attempt in range(2):  # a standalone rendezvous can lose its port to a neighbour: retry once
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if done.returncode == 0:
+            return json.loads(path.read_text())
+    lines = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line]
+    return {"error": (lines[-1] if lines else done.stderr[-500:]).strip()}
+
+
+def full_param_bytes(gpt: dict[str, int]) -> int:
+    """Parameter bytes of the whole GPT (what a data-parallel rank holds), counted on the meta device."""
+    import torch
+
+    from paraloom.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT((gpt["seq_len"],), 256, n_layers=gpt["n_layers"], d_model=gpt["d_model"],
+                    n_heads=gpt["n_heads"])
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def row(summary: dict[str, Any], gpt: dict[str, int]) -> dict[str, Any]:
+    """The figures a plan's run contributes to the report.
+
+    A data-parallel run (paraloom's data-parallel trainer) reports its mean step time over all
+    steps and holds the whole model on every rank; it measures no bubble or held activations.
+    """
+    if "grid" not in summary:
+        world = summary["world_size"]
+        return {"grid": {"dp": world, "tp": 1, "pp": 1}, "schedule": None, "microbatches": 1,
+                "partition": None, "step_seconds": summary["train_seconds"] / summary["steps"],
+                "step_seconds_per_rank": None, "bubble_per_rank": [], "bubble_theory": 0.0,
+                "param_bytes_per_rank": [full_param_bytes(gpt)] * world,
+                "activation_peak_bytes_per_rank": [], "rss_peak_mb_per_rank": [],
+                "final_loss": summary["final_loss"], "val_loss": None,
+                "samples_per_second": summary["samples_per_second"]}
+    return {key: summary[key] for key in (
+        "grid", "schedule", "microbatches", "partition", "step_seconds", "step_seconds_per_rank",
+        "bubble_per_rank", "bubble_theory", "param_bytes_per_rank", "activation_peak_bytes_per_rank",
+        "rss_peak_mb_per_rank", "final_loss", "val_loss", "samples_per_second")}
+
+
+def plans(quick: bool) -> dict[str, tuple[str, ...]]:
+    """Name -> config overrides of every 4-worker plan of part (a)."""
+    if quick:
+        return {"dp4": (),
+                "dp2_pp2_1f1b_m2": ("parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
+                "tp4": ("parallel.tp=4",)}
+    out: dict[str, tuple[str, ...]] = {"dp4": (), "dp2_tp2": ("parallel.tp=2",), "tp4": ("parallel.tp=4",)}
+    for pp in (2, 4):
+        for schedule in ("gpipe", "1f1b"):
+            for m in (1, 2, 4, 8):
+                name = f"{'dp2_' if pp == 2 else ''}pp{pp}_{schedule}_m{m}"
+                out[name] = (f"parallel.pp={pp}", f"parallel.schedule={schedule}",
+                             f"parallel.microbatches={m}")
+    out["layers4"] = ("parallel.mode=layers",)
+    out["tp2_pp2_1f1b_m4"] = ("parallel.tp=2", "parallel.pp=2", "parallel.schedule=1f1b",
+                              "parallel.microbatches=4")
+    return out
+
+
+def pipeline_versus_torch(out: Path, gpt: dict[str, int], steps: int, m: int, repeats: int) -> dict[str, Any]:
+    """Part (b): p = 2 on 2 workers, paraloom and torch.distributed.pipelining alternated."""
+    result: dict[str, Any] = {}
+    for schedule in ("gpipe", "1f1b"):
+        ours, theirs, bubbles, runs = [], [], [], []
+        for i in range(repeats):
+            summary = paraloom(out, f"p2_{schedule}_{i}", 2, gpt, steps, "parallel.pp=2",
+                               f"parallel.schedule={schedule}", f"parallel.microbatches={m}")
+            ours.append(summary["step_seconds"])
+            bubbles.append(statistics.fmean(summary["bubble_per_rank"]))
+            runs.append(row(summary, gpt))
+            report = peer(out, f"torch_p2_{schedule}_{i}", 2, gpt, steps, "--kind", "pipelining",
+                          "--schedule", schedule, "--microbatches", str(m))
+            if "error" in report:
+                result[schedule] = {"torch_error": report["error"], "paraloom_runs": runs}
+                break
+            theirs.append(report["step_seconds"])
+        else:
+            theory = runs[0]["bubble_theory"]
+            bubble = statistics.median(bubbles)
+            result[schedule] = {
+                "paraloom_step_s": statistics.median(ours), "torch_step_s": statistics.median(theirs),
+                "ratio": statistics.median(ours) / statistics.median(theirs),
+                "paraloom_step_s_all": ours, "torch_step_s_all": theirs,
+                "bubble_measured": bubble, "bubble_theory": theory,
+                "bubble_rel_error": abs(bubble - theory) / theory, "paraloom_runs": runs}
+    return result
+
+
+def tensor_versus_dtensor(out: Path, gpt: dict[str, int], steps: int, tp: int) -> dict[str, Any]:
+    ours = paraloom(out, f"tp{tp}_alone", tp, gpt, steps, f"parallel.tp={tp}")
+    report = peer(out, f"dtensor_tp{tp}", tp, gpt, steps, "--kind", "dtensor")
+    if "error" in report:
+        return {"paraloom_step_s": ours["step_seconds"], "dtensor_error": report["error"]}
+    return {"paraloom_step_s": ours["step_seconds"], "dtensor_step_s": report["step_seconds"],
+            "ratio": ours["step_seconds"] / report["step_seconds"],
+            "paraloom_param_bytes_per_rank": ours["param_bytes_per_rank"],
+            "dtensor_param_bytes_per_rank": report["param_bytes_per_rank"]}
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures from the report's rows."""
+    rows, pipe = report["plans"], report["pipeline_vs_torch"]
+    dp_bytes = max(rows["dp4"]["param_bytes_per_rank"])
+    summary: dict[str, Any] = {
+        "tp4_param_mem_ratio": max(rows["tp4"]["param_bytes_per_rank"]) / dp_bytes,
+        "bubble_rel_error": pipe.get("1f1b", {}).get("bubble_rel_error"),
+        "bubble_rel_error_gpipe": pipe.get("gpipe", {}).get("bubble_rel_error"),
+        "pp_vs_torch_pipelining": max((v["ratio"] for v in pipe.values() if "ratio" in v), default=None),
+        "pp_vs_torch_pipelining_by_schedule": {k: v.get("ratio") for k, v in pipe.items()},
+    }
+    gpipe8, onef8 = rows.get("pp4_gpipe_m8"), rows.get("pp4_1f1b_m8")
+    if gpipe8 and onef8:
+        summary["p4_m8_activation_1f1b_over_gpipe_stage0"] = (
+            onef8["activation_peak_bytes_per_rank"][0] / gpipe8["activation_peak_bytes_per_rank"][0])
+    p2 = pipe.get("1f1b", {}).get("paraloom_runs")
+    g2 = pipe.get("gpipe", {}).get("paraloom_runs")
+    if p2 and g2:
+        summary["p2_m8_activation_1f1b_over_gpipe_stage0"] = (
+            p2[0]["activation_peak_bytes_per_rank"][0] / g2[0]["activation_peak_bytes_per_rank"][0])
+    learn = report.get("learning")
+    if learn:
+        summary["val_loss"] = learn["val_loss"]
+        summary["unigram_loss"] = learn["unigram_loss"]
+        summary["learns"] = learn["val_loss"] < learn["unigram_loss"]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three plans, short runs: a smoke run")
+    parser.add_argument("--repeats", type=int, default=3, help="alternations of paraloom and torch in (b)")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    gpt = dict(GPT)
+    steps, learn_steps, repeats, m = STEPS, LEARN_STEPS, args.repeats, 8
+    if args.quick:
+        gpt.update(d_model=32, seq_len=16, batch_size=16)
+        steps, learn_steps, repeats, m = 4, 20, 1, 4
+    console = Console(width=150)
+    report: dict[str, Any] = {"gpt": gpt, "steps": steps, "plans": {}}
+    with tempfile.TemporaryDirectory(prefix="paraloom-mpbench-") as tmp:
+        out = Path(tmp)
+        for name, sets in plans(args.quick).items():
+            report["plans"][name] = row(paraloom(out, name, 4, gpt, steps, *sets), gpt)
+        table = Table(title=f"4 workers, GPT {gpt}")
+        for column in ("plan", "step ms", "bubble/rank", "theory", "param MB/rank", "held act MB/rank",
+                       "RSS MB"):
+            table.add_column(column, justify="right")
+        for name, r in report["plans"].items():
+            table.add_row(name, f"{r['step_seconds'] * 1e3:.1f}",
+                          " ".join(f"{b:.2f}" for b in r["bubble_per_rank"]), f"{r['bubble_theory']:.2f}",
+                          " ".join(f"{b / 2**20:.2f}" for b in r["param_bytes_per_rank"]),
+                          " ".join(f"{b / 2**20:.1f}" for b in r["activation_peak_bytes_per_rank"]),
+                          f"{max(r['rss_peak_mb_per_rank'], default=0):.0f}")
+        console.print(table)
+        report["pipeline_vs_torch"] = pipeline_versus_torch(out, gpt, steps, m, repeats)
+        report["tensor_vs_dtensor"] = {f"tp{tp}": tensor_versus_dtensor(out, gpt, steps, tp)
+                                       for tp in ((2,) if args.quick else (2, 4))}
+        learn = paraloom(out, "learn", 4, gpt, learn_steps, "parallel.pp=2", "parallel.schedule=1f1b",
+                         "parallel.microbatches=4", f"run.log_every={max(1, learn_steps // 10)}")
+        report["learning"] = {"steps": learn_steps, "val_loss": learn["val_loss"],
+                              "unigram_loss": learn["unigram_loss"], "accuracy": learn["test_accuracy"],
+                              "train_seconds": learn["train_seconds"]}
+    report["summary"] = summarize(report)
+    shown = {k: {kk: vv for kk, vv in v.items() if kk != "paraloom_runs"}
+             for k, v in report["pipeline_vs_torch"].items()}
+    console.print_json(data={"pipeline_vs_torch": shown,
+                             "tensor_vs_dtensor": report["tensor_vs_dtensor"], "summary": report["summary"]})
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
