@@ -55,11 +55,11 @@ def reference(opt_name):
     return losses, [p.detach().clone() for p in gpt.parameters()]
 
 
-def _pipeline(rank, world, schedule, m, opt_name):
+def _pipeline(rank, world, schedule, m, opt_name, static_shapes=False):
     gpt = make_gpt()  # every rank builds the whole model with one seed and keeps its slice
     module = stage_module(gpt, balance_by_params(gpt, world), rank)
     opt = make_optimizer(opt_name, module.parameters())
-    stage = PipelineStage(module, loss_fn=lm_loss)
+    stage = PipelineStage(module, loss_fn=lm_loss, static_shapes=static_shapes)
     x, y = data()
     losses, bubbles = [], []
     for t in range(STEPS):
@@ -178,3 +178,25 @@ def _missing_inputs(rank, world):
 
 def test_errors_say_what_to_do():
     assert run_workers(_missing_inputs, 2) == [True, True]
+
+
+@pytest.mark.parametrize(("p", "schedule"), [(2, "1f1b"), (4, "gpipe")])
+def test_static_shapes_equal_one_process(p, schedule):
+    """Headers only on the first step; later steps post receives with the learnt shapes."""
+    check(run_workers(_pipeline, p, schedule, 4, "sgd", static_shapes=True), reference("sgd"))
+
+
+def _changed_shape(rank, world):
+    stage = PipelineStage(stage_module(make_gpt(), [(0, 3), (3, 6)], rank), loss_fn=lm_loss,
+                          static_shapes=True)
+    x, y = data()
+    stage.step("gpipe", split_microbatches(x[0], 2), split_microbatches(y[0], 2))
+    assert stage.sent_shapes if rank == 0 else stage.recv_shapes
+    if rank == 0:  # the sender notices before anything is sent; the receiver sits this step out
+        with pytest.raises(UserError, match="micro-batch 0's activation changed .* static_shapes=False"):
+            stage.step("gpipe", split_microbatches(x[1][:6], 2), None)
+    return True
+
+
+def test_static_shapes_refuse_a_changed_shape():
+    assert run_workers(_changed_shape, 2) == [True, True]

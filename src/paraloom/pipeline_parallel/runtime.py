@@ -7,9 +7,12 @@ back-propagates the gradient received from the next stage (the last stage: its s
 sends the input's gradient back. Receives are posted a couple of actions ahead; sends are
 asynchronous and waited for at the end of the step, so any deadlock-free schedule runs.
 
-Activation shapes are not configured: every forward message is preceded by a 16-int header
-(dtype code, ndim, shape), so micro-batch sizes and sequence lengths may change between steps
-and even within one. Gradients need no header: a stage knows the shape of its own output.
+Activation shapes are not configured: a forward message is preceded by a 16-int header (dtype
+code, ndim, shape), so micro-batch sizes and sequence lengths may change between steps and even
+within one. With `static_shapes=True` only the first step of each micro-batch index sends a
+header: later steps reuse the learnt shape, so a receive is posted actions ahead with no header
+round trip first (a sender whose shape changes then stops with an error that says so).
+Gradients need no header: a stage knows the shape of its own output.
 Tags are unique per (micro-batch, channel): header, activation, gradient.
 """
 
@@ -95,8 +98,12 @@ class PipelineStage:
 
     def __init__(self, module: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
                  stage: int | None = None, n_stages: int | None = None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 static_shapes: bool = False) -> None:
         self.module = module
+        self.static_shapes = static_shapes
+        self.sent_shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # micro-batch -> what F_i sent
+        self.recv_shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # micro-batch -> what F_i got
         self.group = pp_group
         self.peers = Peers(pp_group)
         self.stage = self.peers.rank if stage is None else stage
@@ -226,6 +233,11 @@ class _Run:
             i = action.microbatch
             if action.kind == "F" and not s.is_first:
                 slot = self.posted.setdefault(action, [None, None, None, None])
+                if slot[2] is None and s.static_shapes and i in s.recv_shapes:  # no header: shape known
+                    dtype, shape = s.recv_shapes[i]
+                    slot[3] = torch.empty(shape, dtype=dtype, device=s.device)
+                    slot[2] = s.peers.irecv(slot[3], s.stage - 1, _tag(i, ACTIVATION_TAG))
+                    continue
                 if slot[0] is None:
                     slot[1] = torch.empty(HEADER, dtype=torch.int64, device=s.device)
                     slot[0] = s.peers.irecv(slot[1], s.stage - 1, _tag(i, HEADER_TAG))
@@ -240,6 +252,7 @@ class _Run:
         slot[0].wait()
         header = slot[1].tolist()
         dtype, shape = DTYPES[header[0]], header[2: 2 + header[1]]
+        self.s.recv_shapes[action.microbatch] = (dtype, tuple(shape))
         slot[3] = torch.empty(shape, dtype=dtype, device=self.s.device)
         slot[2] = self.s.peers.irecv(slot[3], self.s.stage - 1, _tag(action.microbatch, ACTIVATION_TAG))
 
@@ -280,10 +293,18 @@ class _Run:
                 raise UserError(f"stage {s.stage} output {outgoing.dtype} {tuple(outgoing.shape)} cannot be "
                                 f"sent: the pipeline carries tensors of at most {HEADER - 2} dims of "
                                 f"dtypes {DTYPES}")
-            header = torch.zeros(HEADER, dtype=torch.int64, device=s.device)
-            header[0], header[1] = DTYPES.index(outgoing.dtype), outgoing.dim()
-            header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
-            self.send(header, s.stage + 1, _tag(i, HEADER_TAG))
+            sent = (outgoing.dtype, tuple(outgoing.shape))
+            if s.static_shapes and i in s.sent_shapes:
+                if s.sent_shapes[i] != sent:
+                    raise UserError(f"stage {s.stage}: micro-batch {i}'s activation changed from "
+                                    f"{s.sent_shapes[i]} to {sent} under static_shapes=True; keep "
+                                    "micro-batch shapes fixed or build the stage with static_shapes=False")
+            else:
+                header = torch.zeros(HEADER, dtype=torch.int64, device=s.device)
+                header[0], header[1] = DTYPES.index(outgoing.dtype), outgoing.dim()
+                header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
+                self.send(header, s.stage + 1, _tag(i, HEADER_TAG))
+                s.sent_shapes[i] = sent
             self.send(outgoing, s.stage + 1, _tag(i, ACTIVATION_TAG))
         self.kept[i] = (x, out, held.nbytes)
         self.held += held.nbytes

@@ -196,7 +196,8 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         engine.guard_nonfinite(group=dist.new_group(list(range(world)), timeout=default_timeout()))
     stats.take()
     optimizer = make_optimizer(cfg.optim, module.parameters(), cfg.comm)
-    stage = PipelineStage(engine, pp_group=groups.pp_group, loss_fn=loss_fn if grid.last else None)
+    stage = PipelineStage(engine, pp_group=groups.pp_group, loss_fn=loss_fn if grid.last else None,
+                          static_shapes=True)  # every step's micro-batches have the same shapes
     schedule = "layers" if cfg.parallel.mode == "layers" else cfg.parallel.schedule
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank, world=dp,
                              seed=cfg.run.seed, shuffle=cfg.data.shuffle)
@@ -224,7 +225,8 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if is_main and run_dir else None
     progress = TrainProgress(total_steps, enabled=is_main)
     step_seconds: list[float] = []
-    busy: list[float] = []
+    busy: list[float] = []  # per step: the pipeline's compute seconds on this rank
+    pipelined: list[float] = []  # per step: the pipeline schedule's seconds (no optimizer step)
     peak_activation = 0
     loss_value = None
     loop_start, samples_at_start = time.perf_counter(), samples
@@ -250,6 +252,7 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
                 samples += cfg.data.batch_size
                 step_seconds.append(time.perf_counter() - began)
                 busy.append(measured.busy_seconds)
+                pipelined.append(measured.step_seconds)
                 peak_activation = max(peak_activation, measured.peak_activation_bytes)
                 if step % cfg.run.log_every == 0 or step == total_steps:
                     loss_value = grid.replica_mean(float(loss) if loss is not None else 0.0)
@@ -272,9 +275,10 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         if logger is not None:
             logger.close()
 
-    timed = step_seconds[2:] or step_seconds  # the first steps warm up allocators and caches
-    mine = torch.tensor([statistics.median(timed) if timed else 0.0,
-                         statistics.median(busy[2:] or busy) if busy else 0.0,
+    def median(values: list[float]) -> float:  # the first steps warm up allocators and caches
+        return statistics.median(values[2:] or values) if values else 0.0
+
+    mine = torch.tensor([median(step_seconds), median(busy), median(pipelined),
                          float(param_bytes(module)), float(peak_activation), peak_rss_mb()],
                         dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
@@ -298,11 +302,14 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         "samples_per_second": (samples - samples_at_start) / train_seconds if train_seconds > 0 else 0.0,
         "step_seconds": step_s,
         "step_seconds_per_rank": per_rank[:, 0].tolist(),
-        "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for s, b in per_rank[:, :2].tolist()],
+        # the share of the schedule's time a rank did not compute (the optimizer step excluded)
+        "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for b, s in per_rank[:, 1:3].tolist()],
+        # the whole pipeline's: idle share of all ranks' time over the slowest rank's schedule time
+        "bubble": 1 - float(per_rank[:, 1].mean() / per_rank[:, 2].max()) if per_rank[:, 2].max() > 0 else 0.0,
         "bubble_theory": bubble_fraction(pp, m) if pp > 1 else 0.0,
-        "param_bytes_per_rank": [int(b) for b in per_rank[:, 2].tolist()],
-        "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 3].tolist()],
-        "rss_peak_mb_per_rank": per_rank[:, 4].tolist(),
+        "param_bytes_per_rank": [int(b) for b in per_rank[:, 3].tolist()],
+        "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 4].tolist()],
+        "rss_peak_mb_per_rank": per_rank[:, 5].tolist(),
         "comm_bytes_per_step": stats.bytes / max(step, 1),
         "skipped_steps": skipped,
         "device": str(device),

@@ -1,0 +1,25 @@
+"""benchmarks/model_parallel.py --quick runs end to end (paraloom, torch pipelining, DTensor) and reports."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_model_parallel_benchmark_quick(tmp_path):
+    out = tmp_path / "mp.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_parallel.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert 0 < summary["tp4_param_mem_ratio"] < 0.3  # tp=4 holds about a quarter plus the replicated share
+    assert summary["pp_vs_torch_pipelining"] > 0  # torch.distributed.pipelining ran beside paraloom
+    assert "ratio" in report["tensor_vs_dtensor"]["tp2"], report["tensor_vs_dtensor"]  # DTensor ran
+    assert summary["bubble_rel_error"] is not None
+    assert summary["unigram_loss"] > 0
+    dp, tp4 = report["plans"]["dp4"], report["plans"]["tp4"]
+    assert tp4["grid"] == {"dp": 1, "tp": 4, "pp": 1}
+    assert len(set(dp["param_bytes_per_rank"])) == 1
