@@ -145,16 +145,16 @@ def main() -> int:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, {"losses": losses, "param_bytes": param_bytes,
                                           "step_s": statistics.median(times[args.warmup:])})
+        if rank == 0:  # written before teardown: a peer's crash while exiting cannot lose the figures
+            step_s = max(g["step_s"] for g in gathered)  # the step ends when the slowest rank is done
+            losses = next((g["losses"] for g in reversed(gathered) if g["losses"]), [])
+            Path(args.json).write_text(json.dumps({
+                "kind": args.kind, "schedule": args.schedule, "microbatches": args.microbatches,
+                "world_size": world, "step_seconds": step_s, "losses": losses,
+                "param_bytes_per_rank": [g["param_bytes"] for g in gathered]}, indent=2) + "\n")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        step_s = max(g["step_s"] for g in gathered)  # the step ends when the slowest rank is done
-        losses = next((g["losses"] for g in reversed(gathered) if g["losses"]), [])
-        Path(args.json).write_text(json.dumps({"kind": args.kind, "schedule": args.schedule,
-                                               "microbatches": args.microbatches, "world_size": world,
-                                               "step_seconds": step_s, "losses": losses,
-                                               "param_bytes_per_rank": [g["param_bytes"] for g in gathered]},
-                                              indent=2) + "\n")
     return 0
 
 

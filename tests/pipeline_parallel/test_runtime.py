@@ -200,3 +200,17 @@ def _changed_shape(rank, world):
 
 def test_static_shapes_refuse_a_changed_shape():
     assert run_workers(_changed_shape, 2) == [True, True]
+
+
+def _peaks_by_step(rank, world, static):
+    stage = PipelineStage(stage_module(make_gpt(), [(0, 3), (3, 6)], rank), loss_fn=lm_loss,
+                          static_shapes=static)
+    x, y = data()
+    steps = [stage.step("1f1b", split_microbatches(x[t], 4), split_microbatches(y[t], 4)) for t in range(3)]
+    return [stats.peak_activation_bytes for _, stats in steps]
+
+
+def test_static_shapes_measure_held_bytes_once_and_alike():
+    static, measured = run_workers(_peaks_by_step, 2, True), run_workers(_peaks_by_step, 2, False)
+    assert static == measured  # the first step's measurement stands for the later ones
+    assert all(len(set(peaks)) == 1 and peaks[0] > 0 for peaks in static)

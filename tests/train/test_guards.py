@@ -56,6 +56,31 @@ def test_nan_on_one_rank_skips_the_step_everywhere(options, naive):
             torch.testing.assert_close(a, b)
 
 
+def _accumulated_nan(rank, world, bad_microbatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3))
+    engine = DataParallel(model)
+    engine.guard_nonfinite()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    for micro in range(3):  # micro-batches 0 and 1 accumulate under no_sync, 2 is the synced one
+        loss = F.cross_entropy(engine(x), y)
+        if micro == bad_microbatch and rank == 0:
+            loss = loss * float("inf")
+        if micro < 2:
+            with engine.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    return engine.step(optimizer)
+
+
+@pytest.mark.parametrize("bad_microbatch", [0, 2])
+def test_a_bad_accumulated_micro_batch_skips_the_step(bad_microbatch):
+    """Inside no_sync() the check waits for the synced backward; the sum still carries the NaN/Inf."""
+    assert run_workers(_accumulated_nan, 2, bad_microbatch) == [False, False]
+
+
 def test_comm_failures_are_recognised():
     assert is_comm_failure(RuntimeError("[gloo] Timed out waiting 5000ms for recv operation"))
     assert is_comm_failure(RuntimeError("Connection reset by peer"))

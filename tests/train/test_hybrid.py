@@ -72,6 +72,18 @@ def test_every_grid_trains_like_one_process(name):
         assert_close(summary["test_accuracy"], reference["test_accuracy"], **TOL)
 
 
+@pytest.mark.parametrize("comm", [["comm.compressor=fp16", "comm.scheduler=priority"],
+                                  ["comm.scheduler=fifo", "comm.bucket_mb=0.01"]])
+def test_data_parallel_engine_options_sync_a_model_parallel_replica(comm):
+    """The dp group of a dp2 x pp2 grid syncs through the engine with its schedulers and compressors."""
+    world, overrides = GRIDS["dp2xpp2_gpipe_m2"]
+    reference = _summaries("1x1x1")[0]
+    tol = {"rtol": 2e-3, "atol": 2e-3} if "comm.compressor=fp16" in comm else TOL  # fp16 gradients
+    for summary in run_workers(_train, world, overrides + comm, timeout=60):
+        assert_close(summary["final_loss"], reference["final_loss"], **tol)
+        assert_close(summary["val_loss"], reference["val_loss"], **tol)
+
+
 def test_summary_accounting():
     one = _summaries("1x1x1")[0]
     assert one["bubble_theory"] == 0.0 and one["partition"] == [[0, PIECES]]

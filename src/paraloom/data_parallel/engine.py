@@ -193,7 +193,9 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot[p]
         self.copies += bucket.bind(slot)
-        if self._nonfinite is not None:  # before the gradient can be sent anywhere
+        # before the gradient can be sent anywhere; inside no_sync() the check waits for the last
+        # micro-batch: a NaN or Inf stays in the accumulated sum (checking each would cost m times)
+        if self._nonfinite is not None and self._sync:
             self._nonfinite.logical_or_(~torch.isfinite(p.grad).all())
         if not (self._sync and self.reduce_in_backward):
             return
@@ -230,6 +232,9 @@ class DataParallel(nn.Module):
                 for slot in range(len(bucket.params)):
                     if slot not in bucket.seen:
                         bucket.bind(slot)
+                        grad = bucket.params[slot].grad
+                        if self._nonfinite is not None and grad is not None:  # accumulated in no_sync()
+                            self._nonfinite.logical_or_(~torch.isfinite(grad).all())
                 bucket.pending = 0
                 self._ready(bucket)
 

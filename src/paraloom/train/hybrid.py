@@ -302,10 +302,11 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         "samples_per_second": (samples - samples_at_start) / train_seconds if train_seconds > 0 else 0.0,
         "step_seconds": step_s,
         "step_seconds_per_rank": per_rank[:, 0].tolist(),
+        "schedule_seconds_per_rank": per_rank[:, 2].tolist(),  # the pipeline schedule alone
         # the share of the schedule's time a rank did not compute (the optimizer step excluded)
         "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for b, s in per_rank[:, 1:3].tolist()],
         # the whole pipeline's: idle share of all ranks' time over the slowest rank's schedule time
-        "bubble": 1 - float(per_rank[:, 1].mean() / per_rank[:, 2].max()) if per_rank[:, 2].max() > 0 else 0.0,
+        "bubble": 1 - float(per_rank[:, 1].mean() / per_rank[:, 2].max()) if step > 0 else 0.0,
         "bubble_theory": bubble_fraction(pp, m) if pp > 1 else 0.0,
         "param_bytes_per_rank": [int(b) for b in per_rank[:, 3].tolist()],
         "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 4].tolist()],
