@@ -125,6 +125,8 @@ GPT = ["model.name=gpt", "data.name=text"]
      r"parallel.tp=2 x parallel.pp=2 does not divide 6 workers; .* multiple of 4"),
     ([*GPT, "parallel.pp=7"], 7, r"parallel.pp=7 stages exceed the gpt's 6 pieces"),
     ([*GPT, "parallel.pp=2", "comm.sync=local_sgd"], 2, r"run with comm.sync=sync"),
+    ([*GPT, "parallel.pp=2", "comm.scheduler=priority", "comm.compressor=powersgd"], 4,
+     r"powersgd under comm.scheduler=priority needs a whole-world"),
 ])
 def test_model_parallel_world_checks(overrides, world, message):
     cfg = load_config(None, overrides)

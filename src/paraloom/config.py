@@ -317,6 +317,9 @@ class Config:
         if self.comm.sync != "sync" or self.comm.shard_optimizer:
             raise UserError("tensor and pipeline parallelism run with comm.sync=sync and "
                             "comm.shard_optimizer=false")
+        if dp > 1 and self.comm.scheduler == "priority" and self.comm.compressor == "powersgd":
+            raise UserError("comm.compressor=powersgd under comm.scheduler=priority needs a whole-world "
+                            "data-parallel group; with tensor or pipeline parallelism use wait_free or fifo")
 
 
 def _positive(section: Any, key: str) -> None:

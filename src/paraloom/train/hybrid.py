@@ -191,7 +191,12 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
     loss_fn = (lambda out, y: tp_loss(out, y, groups.tp_group)) if tp > 1 else flat_loss
 
     stats = CommStats()
-    engine = make_engine(module, cfg.comm, groups, stats, None, cfg.optim)
+    comm_group = None
+    if cfg.comm.scheduler == "priority":  # its collectives get a twin of the dp group, made on every rank
+        for ranks in groups.topology.groups("dp"):
+            twin = dist.new_group(ranks, timeout=default_timeout())
+            comm_group = twin if rank in ranks else comm_group
+    engine = make_engine(module, cfg.comm, groups, stats, None, cfg.optim, comm_group=comm_group)
     if cfg.guard.nan:
         engine.guard_nonfinite(group=dist.new_group(list(range(world)), timeout=default_timeout()))
     stats.take()

@@ -32,12 +32,13 @@ from paraloom.train.resume import PROGRESS, ProgressMarker, capture, read_resume
 
 
 def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups, stats: CommStats, timeline=None,
-                optim: OptimConfig | None = None) -> DataParallel | DataParallelNaive:
+                optim: OptimConfig | None = None,
+                comm_group: dist.ProcessGroup | None = None) -> DataParallel | DataParallelNaive:
     if comm.engine == "naive":
         return DataParallelNaive(model, group=groups.dp_group, algorithm=comm.algorithm, stats=stats)
     options = dgc_options(comm, optim) if optim is not None else None
     return DataParallel(model, topology=groups, comm=comm, stats=stats, timeline=timeline,
-                        compressor_options=options)
+                        compressor_options=options, comm_group=comm_group)
 
 
 def dgc_options(comm: CommConfig, optim: OptimConfig) -> dict[str, float] | None:
