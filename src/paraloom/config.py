@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from paraloom.config_world import check_modes, grid, validate_world
 from paraloom.errors import UserError
 
 ALL_REDUCE_NAMES = ("native", "ring", "halving_doubling", "tree", "one_to_all")
@@ -124,15 +125,9 @@ class ParallelConfig:
     balance: str = _choices("params", "time", default="params")  # pipeline stages balanced by
 
     def __post_init__(self) -> None:
-        if self.nproc < 1:
-            raise UserError(f"parallel.nproc={self.nproc} must be at least 1")
-        for key in ("tp", "pp", "microbatches"):
+        for key in ("nproc", "tp", "pp", "microbatches"):
             _positive(self, key)
-        if self.mode == "ps" and (self.tp > 1 or self.pp > 1):
-            raise UserError("parallel.mode=ps trains whole replicas: leave parallel.tp and parallel.pp at 1")
-        if self.mode == "layers" and (self.tp > 1 or self.microbatches > 1):
-            raise UserError("parallel.mode=layers has no micro-batches or tensor parallelism: for those "
-                            "use parallel.mode=dp with parallel.pp / parallel.microbatches / parallel.tp")
+        check_modes(self)
 
     @property
     def model_parallel(self) -> bool:
@@ -266,60 +261,11 @@ class Config:
 
     def grid(self, world_size: int) -> tuple[int, int, int]:
         """(dp, tp, pp) for `world_size` workers; layers mode makes every rank a stage."""
-        par = self.parallel
-        pp = world_size if par.mode == "layers" and par.pp == 1 else par.pp
-        if world_size % (par.tp * pp):
-            raise UserError(f"parallel.tp={par.tp} x parallel.pp={pp} does not divide {world_size} "
-                            f"workers; choose a world size that is a multiple of {par.tp * pp}")
-        return world_size // (par.tp * pp), par.tp, pp
+        return grid(self, world_size)
 
     def validate_world(self, world_size: int) -> None:
         """Checks that depend on the number of workers; run before any worker starts."""
-        dp, tp, pp = self.grid(world_size)
-        if self.data.batch_size % dp:
-            below = self.data.batch_size // dp * dp
-            near = f"{below} or {below + dp}" if below else str(dp)
-            who = "data-parallel replicas" if self.parallel.model_parallel else "workers"
-            raise UserError(
-                f"data.batch_size={self.data.batch_size} cannot be split across {dp} "
-                f"{who}; choose a multiple of {dp}, e.g. {near}")
-        m = self.parallel.microbatches
-        if (self.data.batch_size // dp) % m:
-            raise UserError(f"the per-replica batch of {self.data.batch_size // dp} does not split into "
-                            f"parallel.microbatches={m}; choose data.batch_size as a multiple of {dp * m}")
-        if self.parallel.model_parallel:
-            self._validate_model_parallel(dp, tp, pp)
-        if self.run.inject is not None:
-            from paraloom.train.faults import check_faults, parse_faults
-
-            check_faults(parse_faults(self.run.inject), world_size)
-        if self.model.name == "cnn" and self.data.name == "synthetic":
-            raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
-                            "use model.name=mlp")
-        if (self.model.name == "gpt") != (self.data.name == "text"):
-            raise UserError(f"model.name={self.model.name} cannot train on data.name={self.data.name}: "
-                            "the gpt reads data.name=text, and only the gpt does")
-
-    def _validate_model_parallel(self, dp: int, tp: int, pp: int) -> None:
-        if self.parallel.mode == "ps":
-            raise UserError("parallel.mode=ps trains whole replicas on every worker")
-        if tp > 1:
-            if self.model.name != "gpt":
-                raise UserError(f"parallel.tp={tp} splits the gpt's attention heads and MLP; "
-                                f"model.name={self.model.name} has none: use model.name=gpt or tp=1")
-            if self.model.n_heads % tp:
-                options = [t for t in range(1, self.model.n_heads + 1) if self.model.n_heads % t == 0]
-                raise UserError(f"parallel.tp={tp} does not divide model.n_heads={self.model.n_heads}; "
-                                f"choose tp in {{{', '.join(map(str, options))}}}")
-        if pp > 1 and self.model.name == "gpt" and pp > self.model.n_layers + 2:
-            raise UserError(f"parallel.pp={pp} stages exceed the gpt's {self.model.n_layers + 2} pieces "
-                            "(embedding, blocks, head): raise model.n_layers or lower parallel.pp")
-        if self.comm.sync != "sync" or self.comm.shard_optimizer:
-            raise UserError("tensor and pipeline parallelism run with comm.sync=sync and "
-                            "comm.shard_optimizer=false")
-        if dp > 1 and self.comm.scheduler == "priority" and self.comm.compressor == "powersgd":
-            raise UserError("comm.compressor=powersgd under comm.scheduler=priority needs a whole-world "
-                            "data-parallel group; with tensor or pipeline parallelism use wait_free or fifo")
+        validate_world(self, world_size)
 
 
 def _positive(section: Any, key: str) -> None:

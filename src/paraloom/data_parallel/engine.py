@@ -193,8 +193,7 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot[p]
         self.copies += bucket.bind(slot)
-        # before the gradient can be sent anywhere; inside no_sync() the check waits for the last
-        # micro-batch: a NaN or Inf stays in the accumulated sum (checking each would cost m times)
+        # before the gradient is sent; under no_sync() the synced backward checks the sum (NaN/Inf stay)
         if self._nonfinite is not None and self._sync:
             self._nonfinite.logical_or_(~torch.isfinite(p.grad).all())
         if not (self._sync and self.reduce_in_backward):
@@ -232,9 +231,8 @@ class DataParallel(nn.Module):
                 for slot in range(len(bucket.params)):
                     if slot not in bucket.seen:
                         bucket.bind(slot)
-                        grad = bucket.params[slot].grad
-                        if self._nonfinite is not None and grad is not None:  # accumulated in no_sync()
-                            self._nonfinite.logical_or_(~torch.isfinite(grad).all())
+                        if self._nonfinite is not None:  # what no_sync() accumulated, unchecked so far
+                            self._nonfinite.logical_or_(~torch.isfinite(bucket.views[slot]).all())
                 bucket.pending = 0
                 self._ready(bucket)
 
