@@ -70,3 +70,16 @@ def default_timeout() -> timedelta | None:
         return backend.options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group over the same ranks as `group`, which must span the whole world.
+
+    Making a group is collective over the world, so a sub-group's private twin must be made by
+    the caller on every rank (and passed as `comm_group`).
+    """
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if len(ranks) != dist.get_world_size():
+        raise ValueError("scheduler='priority' on a sub-group needs comm_group=: a second group over the "
+                         "same ranks, made on every rank with dist.new_group")
+    return dist.new_group(ranks=ranks, timeout=default_timeout())

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paraloom.comm.algorithms import all_reduce, check_algorithm
-from paraloom.comm.collectives import CommStats, broadcast
+from paraloom.comm.collectives import CommStats, broadcast, private_group
 from paraloom.comm.schedule import CommTask, CommThread, CreditExecutor, Executor, make_scheduler
 from paraloom.data_parallel.bucket import Bucket, assign_buckets
 from paraloom.data_parallel.modes import DONE, check_mode, make_mode
@@ -383,19 +383,3 @@ class DataParallel(nn.Module):
         if self._thread is not None:
             self._thread.close()
             self._thread = None
-
-
-def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A new process group over the same ranks as `group`, which must span the whole world.
-
-    Making a group is collective over the world, so a sub-group's private twin must be made by
-    the caller on every rank (and passed as `comm_group`).
-    """
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    if len(ranks) != dist.get_world_size():
-        raise ValueError("scheduler='priority' on a sub-group needs comm_group=: a second group over the "
-                         "same ranks, made on every rank with dist.new_group")
-    from paraloom.comm.collectives import default_timeout
-
-    return dist.new_group(ranks=ranks, timeout=default_timeout())
-
