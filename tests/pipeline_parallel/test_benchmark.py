@@ -19,7 +19,6 @@ def test_model_parallel_benchmark_quick(tmp_path):
     assert summary["pp_vs_torch_pipelining"] > 0  # torch.distributed.pipelining ran beside paraloom
     assert "ratio" in report["tensor_vs_dtensor"]["tp2"], report["tensor_vs_dtensor"]  # DTensor ran
     assert summary["bubble_rel_error"] is not None
-    assert summary["unigram_loss"] > 0
-    dp, tp4 = report["plans"]["dp4"], report["plans"]["tp4"]
+    tp4 = report["plans"]["tp4"]
     assert tp4["grid"] == {"dp": 1, "tp": 4, "pp": 1}
-    assert len(set(dp["param_bytes_per_rank"])) == 1
+    assert len(set(tp4["param_bytes_per_rank"])) == 1  # heads, MLP and vocabulary split evenly
