@@ -153,3 +153,16 @@ def test_grids_of_model_parallel_runs():
     assert layers.parallel.model_parallel and not load_config().parallel.model_parallel
     layers.validate_world(3)  # one replica takes the whole batch
     load_config(None, [*GPT, "parallel.tp=4", "parallel.pp=2", "parallel.microbatches=4"]).validate_world(16)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["sparse.sparsity=1.0"], r"need 0 <= initial <= sparsity < 1"),
+    (["sparse.sparsity=0.5", "sparse.initial=0.6"], r"need 0 <= initial <= sparsity < 1"),
+    (["sparse.every=0"], r"sparse.every must be at least 1"),
+    (["sparse.sparsity=0.9", "comm.compressor=fp16"], r"the masks are its compression"),
+    (["sparse.sparsity=0.9", "parallel.mode=ps"], r"runs in data-parallel training"),
+    (["sparse.sparsity=0.9", "comm.sync=local_sgd"], r"with comm.sync=sync"),
+])
+def test_sparse_settings_refused(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from paraloom.config_io import merge, parse_overrides, read_yaml
 from paraloom.config_world import check_modes, grid, validate_world
 from paraloom.errors import UserError
 
@@ -205,6 +206,27 @@ class PSConfig:
 
 
 @dataclass(kw_only=True)
+class SparseConfig:
+    sparsity: float = 0.0  # final share of pruned Linear/Conv2d weights (magnitude); 0: dense training
+    schedule: str = _choices("gradual", "oneshot", default="gradual")  # gradual: cubic (Zhu & Gupta 2017)
+    initial: float = 0.0  # gradual: sparsity at start_step
+    start_step: int = 0  # first mask update (oneshot: the only one)
+    end_step: int | None = None  # gradual: last mask update (None: half of the run's steps)
+    every: int = 10  # gradual: steps between mask updates
+    scope: str = _choices("layer", "global", default="layer")  # one threshold per tensor, or one overall
+    structured: bool = False  # prune whole neurons / output channels (by L2 norm) instead of weights
+    sync_threshold: float = 0.5  # gradient pieces below this density send only their unmasked values
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.initial <= self.sparsity < 1.0:
+            raise UserError(f"sparse.initial={self.initial} and sparse.sparsity={self.sparsity} need "
+                            "0 <= initial <= sparsity < 1")
+        if self.start_step < 0 or self.every < 1 or not 0.0 < self.sync_threshold <= 1.0:
+            raise UserError("sparse.start_step must not be negative, sparse.every must be at least 1 and "
+                            "sparse.sync_threshold must lie in (0, 1]")
+
+
+@dataclass(kw_only=True)
 class GuardConfig:
     nan: bool = True  # skip (on every rank) a step whose gradients hold NaN or Inf anywhere
     max_bad_steps: int = 5  # stop after this many skipped steps in a row
@@ -223,8 +245,15 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self) -> None:
+        if self.sparse.sparsity > 0 and (self.parallel.mode != "dp" or self.parallel.model_parallel
+                                         or self.comm.compressor != "none" or self.comm.sync != "sync"
+                                         or self.comm.engine != "bucketed"):
+            raise UserError("sparse.sparsity > 0 runs in data-parallel training (parallel.mode=dp, no tp/pp) "
+                            "with comm.sync=sync, comm.engine=bucketed and comm.compressor=none: the masks "
+                            "are its compression")
         if self.parallel.mode == "ps" and self.comm.compressor != "none":
             from paraloom.parameter_server.message import PUSHABLE
 
@@ -329,64 +358,6 @@ def _build_section(name: str, section_type: type, values: dict[str, Any]) -> Any
             raise UserError(f"unknown key {name}.{key}; keys of {name}: {', '.join(fields)}")
         kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
     return section_type(**kwargs)
-
-
-def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
-    """`["data.batch_size=128", ...]` -> nested dict; values are parsed as YAML scalars."""
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        dotted, sep, text = item.partition("=")
-        section, dot, key = dotted.strip().partition(".")
-        if not sep or not dot or not section or not key:
-            raise UserError(f"--set {item!r} must look like section.key=value, e.g. data.batch_size=128")
-        out.setdefault(section, {})[key] = _parse_scalar(text, dotted)
-    return out
-
-
-def _parse_scalar(text: str, key: str) -> Any:
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, (dict, list)):
-        raise UserError(f"--set {key}= takes a single value, not {type(value).__name__}")
-    if hasattr(value, "isoformat"):  # YAML dates stay text
-        return text
-    return value
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping safely; no tag may construct Python objects."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"config file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise UserError(f"config file {str(path)!r} is a directory; give a YAML file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read config file {str(path)!r}: {exc.__class__.__name__}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise UserError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise UserError(f"config file {str(path)!r} must be a mapping of sections, "
-                        f"got {type(raw).__name__}")
-    return raw
-
-
-def merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for section, values in overrides.items():
-        current = out.get(section)
-        out[section] = {**(current if isinstance(current, dict) else {}), **values}
-    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

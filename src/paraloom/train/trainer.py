@@ -153,6 +153,11 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                              world=groups.dp_world_size, seed=cfg.run.seed,
                              shuffle=cfg.data.shuffle)
     total_steps = planned_steps(cfg, len(split.y_train))
+    sparse = None
+    if cfg.sparse.sparsity > 0:
+        from paraloom.sparse.training import SparseTraining
+
+        sparse = SparseTraining(cfg.sparse, model, engine, groups.dp_group, total_steps)
     faults = FaultInjector(parse_faults(cfg.run.inject) if cfg.run.inject else [], rank=rank,
                            world_size=world, seed=cfg.run.seed, run_dir=run_dir)
 
@@ -163,15 +168,21 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     if resumed is not None:
         shared, local = load_checkpoint(run_dir, resumed, rank, device)
         step, counters = restore(model, optimizer, engine, shared, local, device)
+        if sparse is not None:
+            sparse.load_state_dict(local["sparse"])
         if is_main:
             print(f"paraloom: resuming from checkpoint step {step} of {total_steps}", file=sys.stderr)
         stats.take()
+    if sparse is not None and resumed is None:
+        sparse.after_step(0)  # a one-shot schedule at step 0 prunes before training
     if is_main and run_dir is not None and (run_dir / PROGRESS).exists():  # an earlier attempt trained here
         record_resume(run_dir, step)
 
     def checkpoint() -> None:
         began = time.perf_counter()
         shared, local = capture(model, optimizer, engine, step=step, counters=counters, device=device)
+        if sparse is not None:
+            local["sparse"] = sparse.state_dict()
         save_checkpoint(run_dir, step, local=local, shared=shared if is_main else None,
                         keep=cfg.run.keep_checkpoints)
         counters["checkpoint_seconds"] += time.perf_counter() - began
@@ -212,6 +223,8 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                 operation = "gradient synchronization and update"
                 stepped = engine.step(optimizer)  # synchronize, update, zero the gradients (bucket views)
                 step += 1
+                if sparse is not None:
+                    sparse.after_step(step)
                 bad_in_row = 0 if stepped else bad_in_row + 1
                 if not stepped:
                     counters["skipped"] += 1
@@ -307,6 +320,8 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "device": str(device),
         "backend": dist.get_backend(),
     }
+    if sparse is not None:
+        summary["sparse"] = sparse.summary()
     if timeline is not None:
         timeline.write(trace_dir / f"rank{rank}.json")  # every rank writes its own
         summary["trace_dir"] = str(trace_dir)
