@@ -8,12 +8,13 @@ Started by `paraloom train` through torch's elastic agent, or on many nodes by t
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -112,5 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_process(code: int) -> NoReturn:
+    """End a torchrun worker process with `code`, skipping the interpreter's C++ teardown.
+
+    A worker whose work is done (results written, process group destroyed) can still abort while
+    the interpreter tears torch's C++ objects down ("terminate called without an active
+    exception", SIGABRT; seen about one emulated run in ten on this 2-core machine). The elastic
+    agent takes that for a failure and restarts the node while its peers have already finished,
+    which hangs the run at the exit barrier. Python-level cleanup has run by now; only C++
+    destructors are skipped.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

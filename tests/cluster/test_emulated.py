@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from scripts import run_script
 
 from paraloom.cli import main
 from paraloom.cluster import ClusterSpec, EmulatedCluster, list_clusters, parse_rate
@@ -138,11 +139,10 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path, sig, delay):
     assert left == [], f"processes left in the session: {left}"
 
 
+@pytest.mark.timeout(400)
 def test_collectives_benchmark_quick(tmp_path):
     out = tmp_path / "c.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "collectives.py"), "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_script("collectives.py", "--quick", "--json", str(out), timeout=330)
     report = json.loads(out.read_text())
     assert report["summary"]["link_MBps"] > 50
     assert set(report["summary"]["busbw_frac_16MB"]) == {
@@ -163,11 +163,10 @@ def test_collective_traffic_really_crosses_the_shaped_links():
         assert 0.6 * link <= row["busbw_MBps"] <= 1.1 * link, row
 
 
+@pytest.mark.timeout(400)
 def test_dp_schedulers_benchmark_quick(tmp_path):
     out = tmp_path / "dp.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dp_schedulers.py"), "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_script("dp_schedulers.py", "--quick", "--json", str(out), timeout=330)
     report = json.loads(out.read_text())
     summary = report["summary"]
     for key in ("ratio_waitfree_vs_ddp", "ratio_priority_vs_waitfree", "ratio_odsgd_vs_waitfree",

@@ -1,18 +1,15 @@
 """benchmarks/model_parallel.py --quick runs end to end (paraloom, torch pipelining, DTensor) and reports."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+from scripts import run_script
 
 
+@pytest.mark.timeout(480)
 def test_model_parallel_benchmark_quick(tmp_path):
     out = tmp_path / "mp.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_parallel.py"), "--quick",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("model_parallel.py", "--quick", "--json", str(out), timeout=420)
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert 0 < summary["tp4_param_mem_ratio"] < 0.3  # tp=4 holds about a quarter plus the replicated share

@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from paraloom.worker import exit_process
+
+    exit_process(main())  # see exit_process: a finished worker must not abort in teardown
 
 
 def report_table(report: dict[str, Any]):

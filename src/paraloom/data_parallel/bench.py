@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -165,4 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from paraloom.worker import exit_process
+
+    exit_process(main())  # see exit_process: a finished worker must not abort in teardown

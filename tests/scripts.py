@@ -1,0 +1,30 @@
+"""Run a benchmark script as a test: its own process group, stopped with SIGTERM (so emulated clusters come
+down) on timeout, and a failure that shows what it printed."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run benchmarks/<script> with this interpreter; assert it exits 0 within `timeout` seconds."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the script's cluster handler removes its namespaces
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"{script} {' '.join(args)} ran past {timeout:.0f} s; it printed:\n"
+                             f"{out[-2000:]}\n{err[-6000:]}") from None
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{err[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
