@@ -14,6 +14,7 @@ SMALL = {
     "mlp": ((1, 8, 8), 10),
     "resnet18": ((1, 8, 8), 10),
     "resnet50": ((1, 8, 8), 10),
+    "resnet101": ((1, 8, 8), 10),
     "vgg16": ((1, 8, 8), 10),
     "gpt": ((16,), 256),
 }
@@ -63,7 +64,7 @@ def test_forward_shape_on_cpu(name):
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg16"])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet101", "vgg16"])
 @pytest.mark.parametrize("shape", [(3, 32, 32), (3, 64, 64), (3, 9, 13)])
 def test_image_models_take_other_sizes(name, shape):
     model = build_model(name, shape, 7, **NARROW)
@@ -74,7 +75,7 @@ def test_image_models_take_other_sizes(name, shape):
 
 
 @pytest.mark.parametrize(("name", "expected"), [("resnet18", 11_689_512), ("resnet50", 25_557_032),
-                                                ("vgg16", 138_357_544)])
+                                                ("resnet101", 44_549_160), ("vgg16", 138_357_544)])
 def test_imagenet_parameter_counts_match_torchvision(name, expected):
     with torch.device("meta"):
         model = build_model(name, (3, 224, 224), 1000)
@@ -83,7 +84,7 @@ def test_imagenet_parameter_counts_match_torchvision(name, expected):
     assert tuple(y.shape) == (2, 1000)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet101"])
 def test_resnet_stem_follows_image_size(name):
     with torch.device("meta"):
         small, large = build_model(name, (3, 32, 32), 10), build_model(name, (3, 224, 224), 10)
@@ -97,6 +98,7 @@ def test_models_are_sequences_of_coarse_pieces():
     with torch.device("meta"):
         assert len(build_model("resnet18", (3, 32, 32), 10)) == 1 + 8 + 1  # stem, blocks, head
         assert len(build_model("resnet50", (3, 32, 32), 10)) == 1 + 16 + 1
+        assert len(build_model("resnet101", (3, 32, 32), 10)) == 1 + 33 + 1
         assert len(build_model("vgg16", (3, 32, 32), 10)) == 13 + 3  # convolutions, classifier
 
 
@@ -144,7 +146,7 @@ def test_gpt_rejects_heads_not_dividing_width():
         build_model("gpt", (16,), 256, d_model=32, n_heads=5)
 
 
-@pytest.mark.parametrize("name", ["cnn", "resnet18", "resnet50", "vgg16"])
+@pytest.mark.parametrize("name", ["cnn", "resnet18", "resnet50", "resnet101", "vgg16"])
 def test_image_models_reject_sequences(name):
     with pytest.raises(UserError, match="channels, height, width"):
         build_model(name, (16,), 256)

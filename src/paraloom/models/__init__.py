@@ -8,10 +8,11 @@ from paraloom.errors import UserError
 from paraloom.models.cnn import CNN
 from paraloom.models.gpt import GPT
 from paraloom.models.mlp import MLP
-from paraloom.models.resnet import ResNet18, ResNet50
+from paraloom.models.resnet import ResNet18, ResNet50, ResNet101
 from paraloom.models.vgg import VGG16
 
-MODELS = {"cnn": CNN, "mlp": MLP, "resnet18": ResNet18, "resnet50": ResNet50, "vgg16": VGG16, "gpt": GPT}
+MODELS = {"cnn": CNN, "mlp": MLP, "resnet18": ResNet18, "resnet50": ResNet50,
+          "resnet101": ResNet101, "vgg16": VGG16, "gpt": GPT}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], n_classes: int, **kwargs) -> nn.Module:
@@ -20,4 +21,4 @@ def build_model(name: str, input_shape: tuple[int, ...], n_classes: int, **kwarg
     return MODELS[name](input_shape, n_classes, **kwargs)
 
 
-__all__ = ["CNN", "GPT", "MLP", "MODELS", "ResNet18", "ResNet50", "VGG16", "build_model"]
+__all__ = ["CNN", "GPT", "MLP", "MODELS", "ResNet18", "ResNet50", "ResNet101", "VGG16", "build_model"]

@@ -1,0 +1,251 @@
+"""Communication time of collectives, point-to-point messages and parameter-server steps (alpha-beta)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import NamedTuple, Protocol
+
+from paraloom.config import ALL_REDUCE_NAMES
+from paraloom.errors import UserError
+
+# The alpha-beta (Hockney) model: one message of S bytes over a link costs alpha + S / B, alpha the
+# latency and B the one-direction bandwidth; links are full duplex, and a collective's time is
+# c_lat * alpha + c_bw * S / B with coefficients that depend on the algorithm and the group size n
+# (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in
+# MPICH", §2 and Table 1). The coefficients below follow what paraloom's code does
+# (paraloom/comm/algorithms.py), not the textbook variant where the two differ.
+
+PS_HEADER_BYTES = 16  # parameter_server/message.py: SLOTS = 4 int32 slots at the front of every message
+
+
+class LinkLike(Protocol):
+    """Anything with a one-direction `bandwidth` (bytes/s) and a `latency` (s): hardware.Link."""
+
+    bandwidth: float
+    latency: float
+
+
+class _Wire(NamedTuple):
+    bandwidth: float
+    latency: float
+
+
+def _check_group(nbytes: float, n: int) -> None:
+    if n < 1 or int(n) != n:
+        raise UserError(f"group size n={n!r} must be a positive integer")
+    if nbytes < 0:
+        raise UserError(f"message size nbytes={nbytes!r} must not be negative")
+
+
+def _paraloom_tree_children(r: int, n: int) -> list[int]:
+    """comm/algorithms.py `tree`: rank r's broadcast children, in the order it posts the sends."""
+    mask = (r & -r) >> 1 if r else 1 << (n - 1).bit_length() >> 1
+    return [r + m for m in (mask >> i for i in range(mask.bit_length())) if r + m < n]
+
+
+def _gloo_tree_children(v: int, n: int) -> list[int]:
+    """gloo/broadcast.cc (gloo::broadcast, torch's gloo broadcast): virtual rank v's children."""
+    dim = (n - 1).bit_length()
+    return [v | 1 << i for i in range(dim) if v < 1 << i and v | 1 << i < n]
+
+
+@lru_cache(maxsize=256)
+def _binomial_broadcast(n: int, gloo: bool) -> tuple[int, int]:
+    """(hops, copies) on the critical path of a binomial broadcast whose senders post every send at once.
+
+    A rank sends to its k children concurrently, so its uplink carries k copies and (fair sharing,
+    equal sizes) all k arrive after k * S / B; a child forwards only once it holds the whole
+    message. The path that is longest in hops is also longest in copies for every n up to 1100
+    (checked exhaustively while writing this), so one path gives both coefficients. Measured on
+    4 x 1 Gbit/s (BENCHMARKS.md, tree at 16-64 MB): 5.4 S/B for the all-reduce, where this gives
+    5 (2 reduce + 3 broadcast) and the textbook sequential broadcast 4.
+    """
+    children: Callable[[int, int], list[int]] = _gloo_tree_children if gloo else _paraloom_tree_children
+    best, order, path = (0, 0), [0], {0: (0, 0)}
+    for r in order:
+        kids = children(r, n)
+        hops, copies = path[r]
+        for child in kids:
+            path[child] = (hops + 1, copies + len(kids))
+            best = max(best, path[child])
+            order.append(child)
+    return best
+
+
+def allreduce_coefficients(n: int, algorithm: str = "ring") -> tuple[float, float]:
+    """(c_lat, c_bw): the all-reduce of S bytes over n ranks takes c_lat * alpha + c_bw * S / B."""
+    if algorithm not in ALL_REDUCE_NAMES:
+        raise UserError(f"all-reduce algorithm={algorithm!r} is not known; choose one of: "
+                        f"{', '.join(ALL_REDUCE_NAMES)}")
+    if n == 1:
+        return 0.0, 0.0
+    if algorithm in ("ring", "native"):
+        # Ring: reduce-scatter + all-gather, 2(n-1) steps of S/n each; bandwidth-optimal
+        # (Patarasuk & Yuan 2009). "native" is gloo's allreduce, whose default algorithm is a ring
+        # (gloo/allreduce.h); NCCL's is ring for large messages too — modelled as the ring.
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if algorithm == "halving_doubling":
+        # Rabenseifner: recursive-halving reduce-scatter + recursive-doubling all-gather over the
+        # largest power of two p <= n, log2 p steps each, moving (p-1)/p S each way (Thakur et al.
+        # 2005, §4.4). For n != p the code first folds 2(n-p) ranks pairwise (a full S to the odd
+        # neighbour) and unfolds at the end: one more alpha + S/B each.
+        p = 1 << (n.bit_length() - 1)
+        fold = 0.0 if n == p else 2.0
+        return 2.0 * math.log2(p) + fold, 2.0 * (p - 1) / p + fold
+    if algorithm == "tree":
+        # Binomial reduce to rank 0 (ceil(log2 n) levels of a full S, level by level), then a
+        # binomial broadcast whose sends are posted together (see _binomial_broadcast).
+        levels = (n - 1).bit_length()
+        hops, copies = _binomial_broadcast(n, gloo=False)
+        return float(levels + hops), float(levels + copies)
+    # one_to_all: rank 0 receives the n-1 vectors one after another ((n-1)(alpha + S/B)), then
+    # posts n-1 sends at once, its uplink carrying (n-1) S (alpha + (n-1) S/B): 2(n-1) copies of S
+    # cross rank 0's link, as for a single parameter server.
+    return float(n), 2.0 * (n - 1)
+
+
+def allreduce_time(nbytes: float, n: int, link: LinkLike, algorithm: str = "ring") -> float:
+    """Seconds to all-reduce `nbytes` over n ranks joined by `link`, with a comm.algorithm name."""
+    _check_group(nbytes, n)
+    c_lat, c_bw = allreduce_coefficients(n, algorithm)
+    return c_lat * link.latency + c_bw * nbytes / link.bandwidth
+
+
+def _check_ring_only(algorithm: str, what: str) -> None:
+    if algorithm not in ("ring", "native"):
+        raise UserError(f"{what} algorithm={algorithm!r} is not available; choose ring or native")
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: LinkLike, algorithm: str = "ring") -> float:
+    """Seconds to reduce-scatter a tensor of `nbytes` (the whole input; each rank keeps nbytes/n)."""
+    # The ring's first half: n-1 steps of S/n (Thakur et al. 2005, §4.6). comm.algorithms offers
+    # ring and native; gloo's native reduce-scatter is modelled as the same ring.
+    _check_group(nbytes, n)
+    _check_ring_only(algorithm, "reduce-scatter")
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def allgather_time(nbytes: float, n: int, link: LinkLike, algorithm: str = "ring") -> float:
+    """Seconds to all-gather into a tensor of `nbytes` (the whole output: n blocks of nbytes/n)."""
+    # The ring's second half: n-1 steps of S/n (Thakur et al. 2005, §4.1); gloo's allgather is a
+    # ring too. For n payloads of P bytes each (a non-summable compressor), pass nbytes = n * P.
+    _check_group(nbytes, n)
+    _check_ring_only(algorithm, "all-gather")
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def broadcast_time(nbytes: float, n: int, link: LinkLike) -> float:
+    """Seconds for comm.collectives.broadcast (gloo's binomial broadcast) of `nbytes` to n ranks."""
+    # gloo::broadcast posts every send of a rank at once (gloo/broadcast.cc); see _binomial_broadcast.
+    _check_group(nbytes, n)
+    if n == 1:
+        return 0.0
+    hops, copies = _binomial_broadcast(n, gloo=True)
+    return hops * link.latency + copies * nbytes / link.bandwidth
+
+
+def p2p_time(nbytes: float, link: LinkLike) -> float:
+    """Seconds for one point-to-point message (a pipeline stage's activations or gradients): alpha + S/B."""
+    _check_group(nbytes, 1)
+    return link.latency + nbytes / link.bandwidth
+
+
+def group_link(n_ranks: int, per_node: int, intra: LinkLike, inter: LinkLike, stride: int = 1) -> LinkLike:
+    """The link a group of `n_ranks` ranks `stride` apart uses: `intra` when it fits in one node.
+
+    Ranks are numbered node by node (per_node consecutive ranks a node, as Topology lays out tp
+    innermost) and the group starts at a multiple of its span, so it stays on one node exactly
+    when its span (n_ranks - 1) * stride + 1 is at most per_node. tp groups have stride 1, dp
+    groups stride tp, pp neighbours stride dp * tp.
+    """
+    _check_group(0, n_ranks)
+    _check_group(0, per_node)
+    return intra if (n_ranks - 1) * stride + 1 <= per_node else inter
+
+
+def hierarchical_allreduce_time(nbytes: float, n_nodes: int, per_node: int, intra: LinkLike,
+                                inter: LinkLike, algorithm: str = "ring") -> float:
+    """Seconds for one flat all-reduce over n_nodes * per_node ranks, numbered node by node.
+
+    Within one node this is the flat formula on `intra`. Across nodes every step waits for its
+    slowest edge, so the flat formula runs at the slower bandwidth and the larger latency of the
+    two links, with the inter-node bandwidth divided by the number of a node's ranks that cross
+    its one NIC at the same time:
+    - ring, native, tree, one_to_all: 1. A ring over consecutive ranks leaves each node by one edge
+      (node i's last rank -> node i+1's first), so its NIC carries one rank's 2(n-1)/n S; the
+      binomial tree's cross-node levels start from multiples of per_node, one rank per node.
+    - halving_doubling: per_node. Its long-distance steps pair every rank of a node with a rank on
+      another node at once (an upper bound: its short steps stay inside the node).
+    One all-reduce at a time: groups that run concurrently through the same NIC (the tp dp-groups
+    of a node) share it, which the caller accounts for by dividing inter.bandwidth.
+    """
+    _check_group(nbytes, n_nodes)
+    _check_group(nbytes, per_node)
+    n = n_nodes * per_node
+    if n_nodes == 1:
+        return allreduce_time(nbytes, n, intra, algorithm)
+    share = per_node if algorithm == "halving_doubling" else 1
+    wire = _Wire(min(intra.bandwidth, inter.bandwidth / share), max(intra.latency, inter.latency))
+    return allreduce_time(nbytes, n, wire, algorithm)
+
+
+def ps_time(nbytes: float, workers: int, servers: int, link: LinkLike,
+            push_bytes: float | None = None) -> float:
+    """Seconds for one parameter-server step: every worker pushes its gradient and pulls the parameters.
+
+    `nbytes` is the model's fp32 parameters, cut into `servers` equal shards; `push_bytes` the
+    gradient as pushed (a compressor's payload; default nbytes). Each worker and each server has
+    its own node and NIC of `link` (as in benchmarks/ps.py). A step is one request and one reply
+    per (worker, server) pair, each with a 16-byte header (parameter_server/message.py). Push:
+    a worker's NIC sends push_bytes in all, a server's receives workers * push_bytes / servers;
+    the busier NIC bounds the phase. Pull: the same with nbytes in the other direction. Under
+    BSP a server replies only once every push is in, so the phases add: 2 alpha + both phases.
+    ASP and SSP move the same bytes per step; they change who waits, not the traffic.
+    """
+    _check_group(nbytes, workers)
+    _check_group(nbytes, servers)
+    push = nbytes if push_bytes is None else push_bytes
+
+    def phase(total: float) -> float:
+        worker_nic = total + servers * PS_HEADER_BYTES
+        server_nic = workers * (total / servers + PS_HEADER_BYTES)
+        return link.latency + max(worker_nic, server_nic) / link.bandwidth
+
+    return phase(push) + phase(nbytes)
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], n: int,
+                   algorithm: str = "ring") -> tuple[float, float]:
+    """(alpha, bandwidth) that best explain measured all-reduce times t = c_lat alpha + c_bw S / B.
+
+    The model is linear in alpha and 1/B; the fit minimises the squared *relative* error, so a
+    1 KB point (latency-bound) weighs as much as a 64 MB one (bandwidth-bound), as calibration
+    sweeps over decades need. Both results are non-negative: a negative alpha is clamped to 0 and
+    1/B refitted alone.
+    """
+    if len(sizes_bytes) != len(seconds):
+        raise UserError(f"fit_alpha_beta got {len(sizes_bytes)} sizes but {len(seconds)} times")
+    if len(set(sizes_bytes)) < 2:
+        raise UserError("fit_alpha_beta needs measurements at 2 or more distinct sizes; "
+                        "time a sweep such as 1KB..64MB")
+    if min(seconds) <= 0 or min(sizes_bytes) < 0:
+        raise UserError("fit_alpha_beta needs positive times and non-negative sizes")
+    c_lat, c_bw = allreduce_coefficients(n, algorithm)
+    if c_lat == 0:
+        raise UserError("a group of n=1 moves no data; calibrate with 2 or more ranks")
+    u = [c_lat / t for t in seconds]  # row i of the relative system: u_i alpha + v_i x = 1, x = 1/B
+    v = [c_bw * s / t for s, t in zip(sizes_bytes, seconds, strict=True)]
+    suu, svv = sum(a * a for a in u), sum(b * b for b in v)
+    suv = sum(a * b for a, b in zip(u, v, strict=True))
+    su, sv = sum(u), sum(v)
+    det = suu * svv - suv * suv
+    alpha = (su * svv - sv * suv) / det if det > 0 else -1.0
+    x = (suu * sv - suv * su) / det if det > 0 else 0.0
+    if alpha < 0:
+        alpha, x = 0.0, sv / svv
+    if x <= 0:
+        raise UserError("measured times do not grow with message size, so no bandwidth can be fitted; "
+                        "include larger sizes (>= 1 MB) in the sweep")
+    return alpha, 1.0 / x

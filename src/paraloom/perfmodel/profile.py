@@ -1,0 +1,307 @@
+"""Model profile: per-layer FLOPs and bytes measured on the meta device (a 175B GPT in seconds, no memory)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from paraloom.errors import UserError
+from paraloom.perfmodel.specs import build_from_spec
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+RECOMPUTE = ("none", "full")
+OP_CLASSES = ("matmul", "conv", "attention", "other")
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # fp32 state tensors per parameter (Adam: m and v)
+PROFILE_BATCHES = (2, 4)  # per-sample values are the slope between these: batch norm needs two samples,
+# and batch-independent terms (parameter reads, batch-norm statistics) drop out of per-sample figures
+_ATEN = torch.ops.aten
+_FREE = {_ATEN._unsafe_view, _ATEN.detach, _ATEN.alias, _ATEN.lift_fresh, _ATEN.empty_like,
+         _ATEN.new_empty, _ATEN.new_empty_strided}  # no arithmetic, no memory traffic
+_COPIES = {_ATEN._to_copy, _ATEN.clone, _ATEN.copy_, _ATEN.zeros_like, _ATEN.ones_like, _ATEN.full_like,
+           _ATEN.fill_, _ATEN.zero_, _ATEN.new_zeros, _ATEN.new_ones, _ATEN.new_full}  # traffic, no FLOPs
+
+
+def _op_class(packet: object) -> str:
+    if packet not in flop_registry:
+        return "other"
+    name = str(packet)
+    return "conv" if "conv" in name else "attention" if "attention" in name else "matmul"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())  # expanded views read less
+
+
+class _OpCounter(TorchDispatchMode):
+    """FLOPs and bytes read + written, by op class; matmul, conv and attention FLOPs use the formulas of
+    `torch.utils.flop_counter` (as FlopCounterMode does); any other op counts one FLOP per element it
+    writes, a rough figure for ops that are memory bound (their bytes matter more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = dict.fromkeys(OP_CLASSES, 0.0)
+        self.mem = dict.fromkeys(OP_CLASSES, 0.0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func.is_view or packet in _FREE or not ins or not outs:
+            return out
+        cls = _op_class(packet)
+        if cls != "other":
+            self.flops[cls] += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet not in _COPIES:
+            self.flops[cls] += sum(t.numel() for t in outs if t.is_floating_point())
+        self.mem[cls] += sum(_nbytes(t) for t in ins + outs)
+        return out
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Runs scaled_dot_product_attention as the fused flash kernel that CUDA and CPU pick (meta would take
+    the math path, which saves the T x T scores); a mask or grouped heads keep the original call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v, *rest = args
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            opts = dict(zip(names, rest, strict=False), **kwargs)
+            if (opts.get("attn_mask") is None and not opts.get("enable_gqa") and q.dim() == 4
+                    and q.shape == k.shape == v.shape):
+                return _ATEN._scaled_dot_product_flash_attention(
+                    q, k, v, opts.get("dropout_p", 0.0), opts.get("is_causal", False),
+                    scale=opts.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One top-level piece (a pipeline stage holds a contiguous run of them); figures are per sample."""
+
+    name: str  # top-level child name ("0", "1", ...) or, for a model that is not a sequence, its class
+    fwd_flops: dict[str, float]  # by op class: "matmul", "conv", "attention", "other"
+    bwd_flops: dict[str, float]  # same classes; recomputation is not included here
+    param_count: int  # a parameter shared between layers counts in the first only
+    activation_bytes: float  # distinct storages this layer saves for backward (its input included if saved),
+    # in the profile's dtype; ModelProfile.activation_bytes() counts a tensor two neighbours both save once
+    output_bytes: float  # this layer's output: what a pipeline stage sends on
+    fwd_mem_bytes: dict[str, float] = field(default_factory=dict)  # bytes read + written, by op class
+    bwd_mem_bytes: dict[str, float] = field(default_factory=dict)
+    input_saved_bytes: float = 0.0  # part of activation_bytes that is this layer's input
+    output_saved_bytes: float = 0.0  # part of activation_bytes that is this layer's own output
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model's layers plus what a plan needs: parameter, gradient, optimizer and activation bytes."""
+
+    spec: str
+    dtype: str  # "fp32", or "fp16"/"bf16" as mixed precision: fp32 master weights (see optimizer_bytes), and
+    # activations as if every op ran in that dtype (autocast keeps a few in fp32; the usual approximation)
+    recompute: str  # "none" | "full" (every layer keeps only its input; backward recomputes it)
+    layers: tuple[LayerProfile, ...]
+    input_bytes: float  # per sample, as loaded (int64 tokens, fp32 images), or the activation a stage gets
+
+    @property
+    def n_params(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def param_bytes(self) -> float:
+        return float(self.n_params * self.dtype_bytes)
+
+    @property
+    def grad_bytes(self) -> float:
+        return float(self.n_params * self.dtype_bytes)
+
+    @property
+    def output_bytes(self) -> float:
+        return self.layers[-1].output_bytes
+
+    def optimizer_bytes(self, optimizer: str = "adam") -> float:
+        """Optimizer state: fp32 moments (Adam m and v; momentum's one buffer; none for plain SGD).
+
+        Mixed precision (fp16, bf16) adds an fp32 master copy of the weights: with Adam that is
+        2 + 2 + (4 + 4 + 4) = 16 bytes per parameter with weights and gradients, as in the ZeRO paper
+        (Rajbhandari et al. 2020, section 3.1: K = 12 bytes of optimizer state per parameter).
+        """
+        if optimizer not in OPTIMIZER_STATES:
+            raise UserError(f"optimizer {optimizer!r} is not known; choose one of: "
+                            f"{', '.join(OPTIMIZER_STATES)}")
+        master = 4 if self.dtype != "fp32" else 0
+        return float(self.n_params * (master + 4 * OPTIMIZER_STATES[optimizer]))
+
+    def flops_by_class(self, phase: str = "fwd") -> dict[str, float]:
+        """Per-sample FLOPs by op class for "fwd", "bwd" or "recompute" (forward again if recompute=full)."""
+        if phase not in ("fwd", "bwd", "recompute"):
+            raise UserError(f"phase {phase!r} is not known; choose fwd, bwd or recompute")
+        if phase == "recompute" and self.recompute == "none":
+            return dict.fromkeys(OP_CLASSES, 0.0)
+        attr = "bwd_flops" if phase == "bwd" else "fwd_flops"
+        return {c: sum(getattr(layer, attr).get(c, 0.0) for layer in self.layers) for c in OP_CLASSES}
+
+    def fwd_flops(self) -> float:
+        return sum(self.flops_by_class("fwd").values())
+
+    def bwd_flops(self) -> float:
+        return sum(self.flops_by_class("bwd").values())
+
+    def recompute_flops(self) -> float:
+        return sum(self.flops_by_class("recompute").values())
+
+    def activation_bytes(self, recompute: str | None = None) -> float:
+        """Bytes saved for backward per sample; full recompute keeps every layer's input plus the saved
+        tensors of the one layer being recomputed (the largest, as an upper bound)."""
+        recompute = self.recompute if recompute is None else _check(recompute, RECOMPUTE, "recompute")
+        if recompute == "full":
+            inputs = self.input_bytes + sum(layer.output_bytes for layer in self.layers[:-1])
+            return inputs + max(layer.activation_bytes - layer.input_saved_bytes for layer in self.layers)
+        total = sum(layer.activation_bytes for layer in self.layers)
+        for prev, layer in zip(self.layers, self.layers[1:], strict=False):  # saved on both sides: count once
+            if prev.output_saved_bytes:
+                total -= layer.input_saved_bytes
+        return total
+
+    def slice(self, start: int, stop: int) -> ModelProfile:
+        """Layers [start, stop) as a profile of their own (a pipeline stage); its input is what it gets."""
+        if not 0 <= start < stop <= len(self.layers):
+            raise UserError(f"layers [{start}, {stop}) is not a non-empty range of the {len(self.layers)} "
+                            f"layers of {self.spec!r}; choose 0 <= start < stop <= {len(self.layers)}")
+        received = self.layers[start - 1].output_bytes if start else self.input_bytes
+        return replace(self, layers=self.layers[start:stop], input_bytes=received)
+
+
+def _check(value: str, choices: tuple[str, ...] | dict, what: str) -> str:
+    if value not in choices:
+        raise UserError(f"{what}={value!r} is not known; choose one of: {', '.join(choices)}")
+    return value
+
+
+def _signature(layer: nn.Module, x: torch.Tensor) -> tuple | None:
+    """What fixes a layer's costs: structure, plain attributes, tensor shapes, input; None if unhashable."""
+    simple = (bool, int, float, str, tuple)
+    attrs = tuple((type(m).__qualname__, tuple(sorted((k, v) for k, v in vars(m).items()
+                                                      if not k.startswith("_") and isinstance(v, simple))))
+                  for m in layer.modules())
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                    for n, t in [*layer.named_parameters(), *layer.named_buffers()])
+    key = (type(layer), repr(layer), attrs, tensors, tuple(x.shape), x.dtype, x.requires_grad)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int]) -> tuple[dict, torch.Tensor]:
+    """Run one layer forward and backward on meta; its counts, and its output detached for the next layer."""
+    x = x.detach().requires_grad_(x.requires_grad)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in shared:  # parameters and buffers are not activations
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    for p in layer.parameters():
+        p.grad = None  # a gradient left from another run would add an accumulation
+    fwd = _OpCounter()
+    with _FusedAttention(), fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    grad_outs = [t for t in outs if t.requires_grad]
+    grads = [torch.empty_like(t) for t in grad_outs]
+    bwd = _OpCounter()
+    if grad_outs:
+        with bwd:
+            torch.autograd.backward(grad_outs, grads)
+    in_key = x.untyped_storage()._cdata
+    out_keys = {t.untyped_storage()._cdata for t in outs}
+    counts = {"fwd_flops": fwd.flops, "bwd_flops": bwd.flops,
+              "fwd_mem_bytes": fwd.mem, "bwd_mem_bytes": bwd.mem,
+              "activation_bytes": sum(saved.values()), "output_bytes": sum(_nbytes(t) for t in outs),
+              "input_saved_bytes": saved.get(in_key, 0),
+              "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key)}
+    single = out if isinstance(out, torch.Tensor) else None
+    return counts, single.detach().requires_grad_(single.requires_grad) if single is not None else out
+
+
+def _run_chain(pieces: list[tuple[str, nn.Module]], x: torch.Tensor, shared: set[int]) -> list[dict]:
+    cache: dict[tuple, tuple[dict, tuple]] = {}
+    results = []
+    for name, layer in pieces:
+        if not isinstance(x, torch.Tensor):
+            raise UserError(f"piece {name!r} gets a {type(x).__name__}, not a tensor; the profile follows "
+                            "one tensor from piece to piece: wrap pieces that pass several in one module")
+        key = _signature(layer, x)
+        if key is not None and key in cache:
+            counts, (shape, dtype, grad) = cache[key]
+            x = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(grad)
+        else:
+            counts, x = _measure(layer, x, shared)
+            if key is not None and isinstance(x, torch.Tensor):
+                cache[key] = counts, (tuple(x.shape), x.dtype, x.requires_grad)
+        results.append(counts)
+    return results
+
+
+def _slope(a: object, b: object, db: int) -> object:
+    if isinstance(a, dict):
+        return {k: _slope(a[k], b[k], db) for k in a}
+    return max(0.0, (b - a) / db)
+
+
+@functools.lru_cache(maxsize=16)
+def _profile(spec: str, dtype: str) -> ModelProfile:
+    model, make_input = build_from_spec(spec, "meta")
+    model.to(DTYPES[dtype]).train()
+    sequence = isinstance(model, nn.Sequential)
+    named = list(model.named_children()) if sequence else [(type(model).__name__, model)]
+    shared = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    runs, input_sizes = [], []
+    for batch in PROFILE_BATCHES:
+        x = make_input(batch)
+        input_sizes.append(_nbytes(x))
+        try:
+            runs.append(_run_chain(named, x.to(DTYPES[dtype]) if x.is_floating_point() else x, shared))
+        except (RuntimeError, NotImplementedError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"model spec {spec!r} cannot run on the meta device ({first}); profiling "
+                            "runs shapes only: the model must not read values (.item())") from exc
+    db = PROFILE_BATCHES[1] - PROFILE_BATCHES[0]
+    seen: set[int] = set()
+    layers = []
+    for (name, layer), small, large in zip(named, *runs, strict=True):
+        params = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        per_sample = {k: _slope(small[k], large[k], db) for k in small}
+        layers.append(LayerProfile(name=name, param_count=sum(p.numel() for p in params), **per_sample))
+    return ModelProfile(spec=spec, dtype=dtype, recompute="none", layers=tuple(layers),
+                        input_bytes=(input_sizes[1] - input_sizes[0]) / db)
+
+
+def profile_model(spec: str, *, dtype: str = "fp32", recompute: str = "none") -> ModelProfile:
+    """Profile the model a spec names (see `specs.SPEC_HELP`) in `dtype`, with recompute "none" or "full"."""
+    _check(dtype, DTYPES, "dtype")
+    _check(recompute, RECOMPUTE, "recompute")
+    return replace(_profile(spec.strip() if isinstance(spec, str) else spec, dtype), recompute=recompute)
+
+
+__all__ = ["DTYPES", "OPTIMIZER_STATES", "OP_CLASSES", "RECOMPUTE", "LayerProfile", "ModelProfile",
+           "profile_model"]

@@ -1,0 +1,235 @@
+"""Model profiles: FLOPs and bytes per layer against hand-computed values and real runs; spec parsing."""
+
+import time
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from paraloom.errors import UserError
+from paraloom.perfmodel import build_from_spec, profile_model
+from paraloom.perfmodel.profile import OP_CLASSES
+
+GPT_SMALL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256"
+GPT_175B = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+
+
+def _n_params(spec: str) -> int:
+    model, _ = build_from_spec(spec)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_linear_forward_is_2_in_out_and_backward_twice_that():
+    p = profile_model("mlp:input=784,hidden=256,depth=2,classes=10")  # Flatten, (Linear, ReLU) x 2, Linear
+    first, hidden, last = p.layers[1], p.layers[3], p.layers[5]
+    assert first.fwd_flops["matmul"] == 2 * 784 * 256  # per sample: 2 * B * in * out with B = 1
+    assert hidden.fwd_flops["matmul"] == 2 * 256 * 256
+    assert last.fwd_flops["matmul"] == 2 * 256 * 10
+    assert hidden.bwd_flops["matmul"] == 2 * hidden.fwd_flops["matmul"]  # grad input + grad weight
+    assert last.bwd_flops["matmul"] == 2 * last.fwd_flops["matmul"]
+    assert first.bwd_flops["matmul"] == first.fwd_flops["matmul"]  # the data needs no gradient
+    assert p.layers[0].fwd_flops == dict.fromkeys(OP_CLASSES, 0.0)  # Flatten is a view
+    assert p.layers[2].fwd_flops["other"] == 256  # ReLU: one FLOP per element written
+
+
+def test_gpt_block_flops_match_the_transformer_formula():
+    """Per block and sequence (B = 1): 24*B*T*d^2 matmul FLOPs (qkv 6, proj 2, MLP 16 * B*T*d^2) plus
+    4*B*T^2*d attention FLOPs (Q K^T and A V, counted without the causal mask, as torch's counter does)."""
+    t, d, h = 32, 64, 4
+    block = profile_model(f"gpt:layers=2,hidden={d},heads={h},seq={t},vocab=256").layers[1]
+    assert block.fwd_flops["matmul"] == 24 * t * d**2
+    assert block.fwd_flops["attention"] == 4 * t**2 * d
+    assert block.bwd_flops["matmul"] == 2 * block.fwd_flops["matmul"]
+    assert block.bwd_flops["attention"] == 2.5 * block.fwd_flops["attention"]  # flash recomputes the scores
+    assert block.fwd_flops["conv"] == 0 and block.fwd_flops["other"] > 0
+
+
+def test_gpt_block_activation_bytes_by_hand():
+    """Saved per token, in d-wide units: block input, ln1 out, qkv (3; q, k, v are views), attention out (its
+    transposed reshape is a view), residual, ln2 out, fc out (4), gelu out (4) = 16 d values, plus fp32
+    statistics: mean and rstd of two layer norms (16 bytes) and the attention's log-sum-exp per head."""
+    t, d, h = 32, 64, 4
+    for dtype, size in (("fp32", 4), ("bf16", 2)):
+        block = profile_model(f"gpt:layers=2,hidden={d},heads={h},seq={t},vocab=256", dtype=dtype).layers[1]
+        assert block.activation_bytes == t * (16 * d * size + 16 + 4 * h)
+        assert block.input_saved_bytes == t * d * size and block.output_bytes == t * d * size
+
+
+def test_gpt_activation_bytes_match_a_real_cpu_run():
+    torch.manual_seed(0)
+    model, make_input = build_from_spec(GPT_SMALL, device="cpu")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+    for batch in (2, 4):
+        storages: dict[int, int] = {}
+
+        def pack(t, storages=storages):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(make_input(batch))
+        saved.append(sum(storages.values()))
+    assert profile_model(GPT_SMALL).activation_bytes() == (saved[1] - saved[0]) / 2
+
+
+@pytest.mark.parametrize("spec", ["mlp:input=784,hidden=64,depth=3,classes=10", "cnn", "vgg16:input=3x32x32",
+                                  "resnet18:input=3x32x32,classes=10"])
+def test_flops_by_class_match_flop_counter_mode_on_the_whole_model(spec):
+    model, make_input = build_from_spec(spec)
+    with FlopCounterMode(display=False) as counter:
+        model(make_input(2)).sum().backward()
+    p = profile_model(spec)
+    fwd, bwd = p.flops_by_class("fwd"), p.flops_by_class("bwd")
+    counted = sum(fwd[c] + bwd[c] for c in ("matmul", "conv", "attention"))
+    assert counted == counter.get_total_flops() / 2
+
+
+@pytest.mark.parametrize("spec", ["mlp", "cnn", "resnet18", "resnet50", "resnet101", "vgg16", GPT_SMALL,
+                                  "vgg16:input=1x8x8,classes=10,batch_norm=true", "gpt"])
+def test_parameter_counts_equal_the_real_model(spec):
+    assert profile_model(spec).n_params == _n_params(spec)
+
+
+def test_resnet101_at_imagenet_size():
+    p = profile_model("resnet101")
+    assert p.n_params == 44_549_160
+    assert len(p.layers) == 1 + 33 + 1
+    multiply_adds = (p.flops_by_class("fwd")["conv"] + p.flops_by_class("fwd")["matmul"]) / 2
+    assert abs(multiply_adds - 7.80e9) < 0.01e9  # torchvision's table: "GFLOPS 7.80", counting multiply-adds
+    assert p.input_bytes == 3 * 224 * 224 * 4  # fp32 image as loaded
+
+
+def test_half_precision_halves_parameter_and_gradient_bytes_and_keeps_fp32_master_state():
+    fp32, fp16 = profile_model(GPT_SMALL), profile_model(GPT_SMALL, dtype="fp16")
+    n = fp32.n_params
+    assert fp16.param_bytes == fp32.param_bytes / 2 == 2 * n
+    assert fp16.grad_bytes == fp32.grad_bytes / 2
+    assert fp32.optimizer_bytes("adam") == 8 * n and fp32.optimizer_bytes("sgd") == 0
+    assert fp32.optimizer_bytes("momentum") == 4 * n
+    total = fp16.param_bytes + fp16.grad_bytes + fp16.optimizer_bytes("adam")
+    assert total == 16 * n  # ZeRO paper, mixed-precision Adam: 16 bytes per parameter
+    assert fp16.activation_bytes() < 0.6 * fp32.activation_bytes()
+    assert fp16.fwd_flops() == fp32.fwd_flops()
+
+
+def test_full_recompute_trades_activation_bytes_for_a_second_forward():
+    none = profile_model("gpt:layers=8,hidden=64,heads=4,seq=32,vocab=256")
+    full = profile_model("gpt:layers=8,hidden=64,heads=4,seq=32,vocab=256", recompute="full")
+    assert full.activation_bytes() < none.activation_bytes() / 3
+    assert none.recompute_flops() == 0 and full.recompute_flops() == full.fwd_flops() == none.fwd_flops()
+    assert full.bwd_flops() == none.bwd_flops()
+    kept = full.input_bytes + sum(layer.output_bytes for layer in full.layers[:-1])
+    largest = max(layer.activation_bytes - layer.input_saved_bytes for layer in full.layers)
+    assert full.activation_bytes() == kept + largest
+    assert none.activation_bytes("full") == full.activation_bytes()
+
+
+def test_slices_are_pipeline_stages():
+    p = profile_model(GPT_SMALL)
+    first, second = p.slice(0, 2), p.slice(2, 4)
+    assert first.fwd_flops() + second.fwd_flops() == p.fwd_flops()
+    assert first.n_params + second.n_params == p.n_params
+    assert first.input_bytes == p.input_bytes == 32 * 8  # int64 tokens
+    assert second.input_bytes == p.layers[1].output_bytes == 32 * 64 * 4  # what stage 1 receives
+    assert first.output_bytes == second.input_bytes
+    with pytest.raises(UserError, match="choose 0 <= start < stop <= 4"):
+        p.slice(3, 3)
+
+
+def test_175b_gpt_profiles_in_seconds():
+    start = time.perf_counter()
+    p = profile_model(GPT_175B, dtype="bf16")
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10, f"profiling the 175B GPT took {elapsed:.1f} s"
+    assert len(p.layers) == 96 + 2
+    assert 174e9 < p.n_params < 176e9
+    per_token = p.fwd_flops() / 2048
+    assert 2 * p.n_params < per_token < 1.1 * 2 * p.n_params  # about 2N per token (Kaplan et al. 2020)
+    assert p.param_bytes + p.grad_bytes + p.optimizer_bytes() == 16 * p.n_params
+
+
+def test_models_that_are_not_sequences_are_one_layer(tmp_path, monkeypatch):
+    (tmp_path / "usermodels.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Twin(nn.Module):\n"
+        "    def __init__(self, width):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.a(x) + self.b(x)\n\n"
+        "    def example_input(self, batch):\n"
+        "        return torch.randn(batch, self.a.in_features)\n\n"
+        "def make(width=8):\n"
+        "    return Twin(width)\n\n"
+        "def make_pair(width=8):\n"
+        "    return nn.Sequential(nn.Linear(width, 3)), lambda batch: torch.randn(batch, width)\n\n"
+        "def make_bare():\n"
+        "    return nn.Linear(2, 2)\n\n"
+        "class Split(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x, x\n\n"
+        "def make_split():\n"
+        "    return nn.Sequential(Split(), nn.Identity()), lambda batch: torch.randn(batch, 4)\n\n"
+        "class Reader(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x * float(x.sum())\n\n"
+        "def make_reader():\n"
+        "    return nn.Sequential(Reader()), lambda batch: torch.randn(batch, 4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    twin = profile_model("usermodels:make:width=16")
+    assert [layer.name for layer in twin.layers] == ["Twin"]
+    assert twin.fwd_flops() == 2 * (2 * 16 * 16) + 16  # two linears (addmm folds the bias in), one add
+    assert twin.n_params == 2 * (16 * 16 + 16)
+    pair = profile_model("usermodels:make_pair")
+    assert pair.layers[0].fwd_flops["matmul"] == 2 * 8 * 3
+    with pytest.raises(UserError, match="does not take these arguments"):
+        profile_model("usermodels:make:depth=3")
+    with pytest.raises(UserError, match="has no callable"):
+        profile_model("usermodels:missing")
+    with pytest.raises(UserError, match="must return"):
+        profile_model("usermodels:make_bare")
+    with pytest.raises(UserError, match="gets a tuple, not a tensor"):
+        profile_model("usermodels:make_split")
+    with pytest.raises(UserError, match="cannot run on the meta device"):
+        profile_model("usermodels:make_reader")
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("alexnet", "package.module:factory"),
+    ("gpt:layers=2,depth=3", "choose from seq, vocab, layers, hidden, heads"),
+    ("gpt:layers=two", "must be a number"),
+    ("gpt:layers=2.5", "must be a whole number"),
+    ("gpt:layers=0", "must be positive"),
+    ("gpt:recompute=true", "recompute='full'"),
+    ("gpt:layers=2,layers=3", "give it once"),
+    ("gpt:layers", "must look like key=value"),
+    ("gpt:hidden=64,heads=5", "choose n_heads in"),
+    ("resnet50:input=3x0x9", "positive integers"),
+    ("mlp:classes=0", "positive whole number"),
+    ("no_such_package.models:make", "cannot import"),
+    ("", "model spec is empty"),
+    ("gpt layers", "not understood"),
+])
+def test_spec_errors_say_what_to_do(spec, message):
+    with pytest.raises(UserError, match=message):
+        profile_model(spec)
+
+
+def test_options_are_checked():
+    with pytest.raises(UserError, match="choose one of: fp32, fp16, bf16"):
+        profile_model("mlp", dtype="fp8")
+    with pytest.raises(UserError, match="choose one of: none, full"):
+        profile_model("mlp", recompute="selective")
+    with pytest.raises(UserError, match="choose one of: sgd, momentum, adam"):
+        profile_model("mlp").optimizer_bytes("lamb")
+
+
+def test_spec_builds_a_real_model_and_input():
+    model, make_input = build_from_spec("gpt:layers=1,hidden=32,heads=2,seq=8,vocab=50", device="cpu")
+    x = make_input(3)
+    assert x.dtype == torch.int64 and x.shape == (3, 8) and int(x.max()) < 50
+    assert model(x).shape == (3, 8, 50)
+    model, make_input = build_from_spec("resnet18:input=1x8x8,classes=10,width=8", device="cpu")
+    assert model(make_input(2)).shape == (2, 10)
