@@ -58,7 +58,8 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _choices("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "vgg16", default="cnn")  # see models/
+    name: str = _choices("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "vgg16",
+                         default="cnn")  # see models/
     hidden: int = 128  # width of the hidden (fully connected) layer(s)
     depth: int = 2  # mlp: number of hidden layers
     channels: int = 32  # cnn: channels of the first convolution (the second has twice as many)

@@ -1,0 +1,50 @@
+"""Memory per device of a plan: weights, gradients, optimizer state, activations and sync buffers."""
+
+from __future__ import annotations
+
+from paraloom.perfmodel.profile import ModelProfile
+
+# Megatron tensor parallelism splits most of a transformer layer's activations but not all: per
+# layer s*b*h*(10 + 24/t) bytes plus the attention scores (Korthikanti et al. 2022, "Reducing
+# Activation Recomputation in Large Transformer Models", eq. 2, without sequence parallelism), so
+# 10/34 of them stay whole on every tensor-parallel rank. Applied to every layer as the estimate.
+TP_REPLICATED_ACTIVATIONS = 10 / 34
+
+
+def in_flight(schedule: str, microbatches: int, pp: int, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak.
+
+    GPipe runs every forward before any backward: all m. 1F1B starts backward after pp - stage
+    forwards and then alternates (Narayanan et al. 2019, PipeDream-Flush): at most pp - stage.
+    Without a pipeline, accumulated micro-batches free their activations one by one: 1.
+    """
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, pp - stage)
+
+
+def activation_share(tp: int) -> float:
+    return TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
+
+
+def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> dict[str, float]:
+    """Bytes one device of `stage` holds, by kind."""
+    params = part.n_params / plan.tp
+    weights = params * part.dtype_bytes
+    grads = params * part.dtype_bytes
+    optimizer = part.optimizer_bytes(opts.optimizer) / plan.tp
+    if opts.shard_optimizer:
+        optimizer /= plan.dp
+    buffers = params * 4.0 if plan.dp > 1 else 0.0  # the engine's fp32 buckets hold a gradient copy
+    held = in_flight(plan.schedule, plan.microbatches, plan.pp, stage)
+    activations = part.activation_bytes() * micro * activation_share(plan.tp) * held
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers,
+            "activations": activations}
+
+
+def device_memory(profile: ModelProfile, plan, stages: list[tuple[int, int]], micro: float, opts) -> float:
+    """The fullest device's bytes over every stage of the plan."""
+    return max(sum(stage_memory(profile.slice(start, stop), plan, k, micro, opts).values())
+               for k, (start, stop) in enumerate(stages))

@@ -1,0 +1,147 @@
+"""`paraloom plan`: rank the plans for a model on a cluster, recommend a node count, emit a config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from paraloom.errors import UserError
+from paraloom.perfmodel.hardware import Hardware, load_hardware
+from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
+from paraloom.perfmodel.profile import profile_model
+from paraloom.perfmodel.strategies import Estimate, Options, estimate
+
+GPT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}
+
+
+def _row(table: Table, e: Estimate, nodes: int, eff: float | None) -> None:
+    table.add_row(e.plan.label(), f"{e.step_s * 1e3:,.1f}", f"{e.samples_per_s:,.1f}",
+                  "-" if eff is None else f"{eff:.2f}", f"{e.memory_bytes / 2**30:,.2f}", e.bottleneck,
+                  "" if is_exact(e.plan) else "no", str(nodes))
+
+
+def _table(title: str) -> Table:
+    table = Table(title=title)
+    for name in ("plan", "step ms", "samples/s", "efficiency", "GiB/device", "bottleneck", "exact", "nodes"):
+        table.add_column(name, justify="left" if name in ("plan", "bottleneck") else "right")
+    return table
+
+
+def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: str = "fp32",
+             recompute: str = "none", optimizer: str = "adam", plan: str | None = None,
+             json_out: Path | None = None, emit: Path | None = None, plot: Path | None = None,
+             floor: float = 0.7, exact_only: bool = False, top: int = 10) -> dict[str, Any]:
+    """Predict one plan (`plan`) or rank every plan at each node count; print, and write what was asked."""
+    for path in (json_out, emit, plot):
+        if path is not None and not path.parent.is_dir():
+            raise UserError(f"{str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if global_batch < 1:
+        raise UserError(f"--global-batch {global_batch} must be at least 1")
+    if not 0 < floor <= 1:
+        raise UserError(f"--efficiency-floor {floor} must lie in (0, 1]")
+    hw = load_hardware(cluster)
+    profile = profile_model(model, dtype=dtype, recompute=recompute)
+    options = Options(optimizer=optimizer)
+    counts = parse_nodes(nodes)
+    console = Console(width=max(Console().width, 130))
+    if plan is not None:
+        given = parse_plan(plan)
+        n = counts[0]
+        if given.devices > n * hw.devices_per_node:
+            raise UserError(f"plan {given.label()!r} needs {given.devices} devices; {n} node(s) of "
+                            f"{hw.name} have {n * hw.devices_per_node}")
+        e = estimate(profile, hw, given, global_batch, options)
+        table = _table(f"{model} on {n} x {hw.name}, global batch {global_batch}: predicted")
+        _row(table, e, n, None)
+        console.print(table)
+        console.print({k: f"{v * 1e3:.2f} ms" for k, v in e.breakdown.items()})
+        report = {"model": model, "hardware": hw.to_dict(), "global_batch": global_batch,
+                  "nodes": n, "estimate": e.to_dict()}
+    else:
+        results: list[Ranked] = []
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("planning", total=len(counts))
+            for n in counts:
+                results.append(rank(profile, hw, n, global_batch, options=options, exact_only=exact_only))
+                progress.advance(task)
+        best, eff = recommend(results, floor)
+        for r, e in zip(results, eff, strict=True):
+            table = _table(f"{model} on {r.nodes} x {hw.name} ({r.nodes * hw.devices_per_node} devices), "
+                           f"global batch {global_batch}: {len(r.estimates)} plans fit, {r.dropped} do not")
+            for est in r.estimates[:top]:
+                _row(table, est, r.nodes, e if est is r.best else None)
+            if len(counts) == 1 or r is best:
+                console.print(table)
+        top_plan = best.best
+        console.print(f"recommended: {best.nodes} node(s), {top_plan.plan.label()}: "
+                      f"{top_plan.samples_per_s:,.1f} samples/s predicted "
+                      f"(scaling efficiency >= {floor:.2f} up to {best.nodes} nodes)")
+        if best.estimates[0] is not top_plan:
+            fast = best.estimates[0]
+            console.print(f"faster but changing the math: {fast.plan.label()} "
+                          f"({fast.samples_per_s / top_plan.samples_per_s:.2f}x)")
+        report = {"model": model, "hardware": hw.to_dict(), "global_batch": global_batch,
+                  "efficiency_floor": floor,
+                  "recommended": {"nodes": best.nodes, "plan": top_plan.to_dict()},
+                  "by_nodes": [{"nodes": r.nodes, "efficiency": e, "dropped": r.dropped,
+                                "plans": [x.to_dict() for x in r.estimates]}
+                               for r, e in zip(results, eff, strict=True)]}
+        if plot is not None:
+            from paraloom.perfmodel.plots import plot_scaling
+
+            plot_scaling(results, plot, title=f"{model} on {hw.name}")
+            console.print(f"plot: {plot}")
+        e = top_plan
+    if emit is not None:
+        emit_nodes = report["recommended"]["nodes"] if "recommended" in report else report["nodes"]
+        emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes))
+        console.print(f"config: {emit} (run it with `paraloom train {emit}`)")
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes: int) -> str:
+    """A config `paraloom train` runs as it is: the model's zoo arguments and the plan's choices."""
+    from paraloom.perfmodel.specs import parse_args
+
+    name, _, args_text = model.partition(":")
+    if "." in name:
+        raise UserError(f"--emit writes configs for zoo models only; {name!r} is a user model: set "
+                        "the plan's keys (printed above) in your own config")
+    args = parse_args(model, args_text)
+    p = e.plan
+    model_cfg: dict[str, Any] = {"name": name}
+    data: dict[str, Any] = {"batch_size": global_batch}
+    notes = []
+    if name == "gpt":
+        model_cfg.update({GPT_KEYS[k]: v for k, v in args.items() if k in GPT_KEYS})
+        data.update({"name": "text", "seq_len": args.get("seq", 128)})
+        if args.get("vocab", 256) != 256:
+            notes.append(f"data.name=text is byte-level: the model gets vocab 256, not {args['vocab']}")
+    else:
+        model_cfg.update({k: v for k, v in args.items() if k in ("hidden", "depth", "channels")})
+    workers = p.dp * p.tp * p.pp
+    config = {
+        "model": model_cfg, "data": data,
+        "parallel": {"mode": "ps" if p.servers else "dp", "nproc": max(1, workers // nodes), "tp": p.tp,
+                     "pp": p.pp, "microbatches": p.microbatches, "schedule": p.schedule},
+        "comm": {"scheduler": p.scheduler, "algorithm": p.algorithm, "compressor": p.compressor,
+                 "sync": p.sync},
+    }
+    if p.servers:
+        config["ps"] = {"servers": p.servers, "consistency": p.consistency}
+    head = [f"# paraloom plan: {p.label()} on {nodes} x {hw.name}",
+            f"# predicted {e.step_s * 1e3:.1f} ms/step, {e.samples_per_s:,.1f} samples/s, "
+            f"{e.memory_bytes / 2**30:.2f} GiB/device, bottleneck {e.bottleneck}",
+            f"# {nodes} node(s): `paraloom train THIS.yaml` on one, or torchrun --nnodes {nodes} "
+            f"--nproc-per-node {config['parallel']['nproc']} -m paraloom.worker THIS.yaml on each"]
+    head += [f"# note: {n}" for n in notes]
+    return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False)
+

@@ -1,0 +1,299 @@
+"""Step time and memory per device of one parallel plan, from a model profile and a hardware profile.
+
+White box (Paleo, Qi et al. ICLR 2017: compute + data movement + communication, each from the
+model's counts and the hardware's constants), with what paraloom runs on top: pipeline schedules,
+tensor-parallel collectives, the data-parallel scheduler's overlap, compression, and the
+parameter server's consistency modes. Every figure is for one step of `global_batch` samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from paraloom.errors import UserError
+from paraloom.perfmodel import overlap
+from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time
+from paraloom.perfmodel.hardware import Hardware, Link
+from paraloom.perfmodel.memory import device_memory
+from paraloom.perfmodel.network import allreduce_time, group_link, p2p_time, ps_time
+from paraloom.perfmodel.profile import ModelProfile
+
+SCHEDULERS = ("fifo", "wait_free", "priority")
+SYNCS = ("sync", "one_step_delay")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+CONSISTENCY = ("bsp", "asp", "ssp")
+# Bytes an optimizer update reads and writes per parameter (fp32 state): SGD with momentum reads
+# weight, grad, buffer and writes weight, buffer (20); Adam reads weight, grad, m, v and writes
+# weight, m, v (28). A fused kernel does it in one pass, so the update is memory-bound.
+UPDATE_BYTES = {"sgd": 20.0, "adam": 28.0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the model: the grid and every choice that changes the step's time."""
+
+    dp: int = 1  # data-parallel replicas (parameter server: workers)
+    tp: int = 1  # tensor-parallel ranks per replica
+    pp: int = 1  # pipeline stages per replica
+    microbatches: int = 1  # per step and replica (pipeline, or gradient accumulation when pp = 1)
+    schedule: str = "1f1b"  # pipeline schedule
+    scheduler: str = "wait_free"  # data-parallel communication scheduler
+    sync: str = "sync"  # or one_step_delay
+    compressor: str = "none"
+    algorithm: str = "ring"  # all-reduce algorithm
+    servers: int = 0  # > 0: a parameter server with this many shards instead of all-reduce
+    consistency: str = "bsp"  # parameter server: bsp, asp or ssp
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "microbatches"):
+            if getattr(self, key) < 1:
+                raise UserError(f"plan {key}={getattr(self, key)} must be at least 1")
+        for key, choices in (("schedule", PIPELINE_SCHEDULES), ("scheduler", SCHEDULERS), ("sync", SYNCS),
+                             ("consistency", CONSISTENCY)):
+            if getattr(self, key) not in choices:
+                raise UserError(f"plan {key}={getattr(self, key)!r} is not known; choose one of "
+                                f"{', '.join(choices)}")
+        if self.servers and (self.tp > 1 or self.pp > 1):
+            raise UserError("the parameter server trains whole replicas; use tp=1 and pp=1 with servers")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp + self.servers
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        if self.microbatches > 1:
+            parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else ""))
+        if self.servers:
+            parts.append(f"ps{self.servers} {self.consistency}")
+        elif self.dp > 1:
+            parts.append(self.scheduler if self.sync == "sync" else self.sync)
+            if self.algorithm not in ("ring", "native"):
+                parts.append(self.algorithm)
+        if self.compressor != "none":
+            parts.append(self.compressor)
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the model predicts for one plan."""
+
+    plan: Plan
+    step_s: float
+    samples_per_s: float
+    memory_bytes: float  # the fullest device
+    fits: bool
+    bottleneck: str  # the largest term of `breakdown`
+    breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by cause
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "plan": asdict(self.plan), "label": self.plan.label()}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the step does besides the plan; defaults follow paraloom's config defaults."""
+
+    optimizer: str = "adam"
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    partition_mb: float = 2.0
+    shard_optimizer: bool = False
+    straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
+
+
+def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[tuple[int, int]]:
+    """Contiguous layer ranges for `pp` stages that minimize the slowest stage's time.
+
+    Bisection on the bound with a greedy fill (a bound is feasible if greedy needs at most pp
+    stages), then stages are split further until there are exactly pp; O(n log) per plan.
+    """
+    n = len(profile.layers)
+    if pp > n:
+        raise UserError(f"pp={pp} stages need at least {pp} layers; {profile.spec!r} has {n}")
+
+    def fill(bound: float) -> list[tuple[int, int]]:
+        out, start, acc = [], 0, 0.0
+        for i, s in enumerate(seconds):
+            if i > start and acc + s > bound:
+                out.append((start, i))
+                start, acc = i, 0.0
+            acc += s
+        return [*out, (start, n)]
+
+    lo, hi = max(seconds), sum(seconds)
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if len(fill(mid)) <= pp else (mid, hi)
+    stages = fill(hi)
+    while len(stages) < pp:  # split the slowest stage that has two layers or more
+        k = max((k for k, (a, b) in enumerate(stages) if b - a > 1),
+                key=lambda k: sum(seconds[stages[k][0]:stages[k][1]]))
+        a, b = stages[k]
+        cut = min(range(a + 1, b), key=lambda c: max(sum(seconds[a:c]), sum(seconds[c:b])))
+        stages[k:k + 1] = [(a, cut), (cut, b)]
+    return stages
+
+
+def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int) -> float:
+    """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower.
+
+    Megatron tensor parallelism splits the matmul, attention (and convolution) work of a layer
+    tp ways; elementwise work on the replicated activations ("other") is not split.
+    """
+    flops = layer.fwd_flops if phase == "fwd" else layer.bwd_flops
+    moved = layer.fwd_mem_bytes if phase == "fwd" else layer.bwd_mem_bytes
+    total = 0.0
+    for op_class in set(flops) | set(moved):
+        share = 1.0 if op_class == "other" else 1.0 / tp
+        compute = flops.get(op_class, 0.0) * samples * share / hw.device.achieved_flops(dtype, op_class)
+        memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
+        total += max(compute, memory)
+    return total
+
+
+def _slowdown(hw: Hardware, plan: Plan) -> float:
+    """Emulated clusters: every device of the plan is a process sharing `host_cores` cores of one host."""
+    cores = hw.constants.get("host_cores")
+    return max(1.0, plan.devices / cores) if cores else 1.0
+
+
+def _tp_comm(profile: ModelProfile, hw: Hardware, plan: Plan, samples: float) -> float:
+    """Megatron: per transformer block 2 all-reduces of the block's output forward and 2 backward
+    (Shoeybi et al. 2019, section 3); the vocabulary-parallel embedding adds one forward and the
+    head one backward. Layers are told apart by position: GPT is [Embedding, Block..., Head]."""
+    if plan.tp == 1:
+        return 0.0
+    link = group_link(plan.tp, hw.devices_per_node, hw.intra, hw.inter)
+    total = 0.0
+    for index, layer in enumerate(profile.layers):
+        count = 4 if 0 < index < len(profile.layers) - 1 else 1
+        total += count * allreduce_time(layer.output_bytes * samples, plan.tp, link, "ring")
+    return total
+
+
+def _dp_link(hw: Hardware, plan: Plan) -> Link:
+    """The data-parallel group's link; groups that cross nodes share each node's adapters."""
+    link = group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
+    if link is hw.inter:
+        groups_per_node = min(hw.devices_per_node, plan.tp * plan.pp)
+        share = min(1.0, hw.nics_per_node / groups_per_node)
+        return Link(link.name, link.bandwidth * share, link.latency)
+    return link
+
+
+def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
+             options: Options | None = None) -> Estimate:
+    """Predicted step time, throughput and memory of `plan` for `global_batch` samples per step."""
+    opts = options or Options()
+    if global_batch % (plan.dp * plan.microbatches):
+        unit = plan.dp * plan.microbatches
+        raise UserError(f"global batch {global_batch} does not split into dp={plan.dp} x "
+                        f"microbatches={plan.microbatches}; choose a multiple of {unit}")
+    micro = global_batch / (plan.dp * plan.microbatches)
+    slow = _slowdown(hw, plan)
+    dtype = profile.dtype
+    fwd = [_layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp) * slow for layer in profile.layers]
+    bwd = [_layer_seconds(layer, hw, dtype, "bwd", micro, plan.tp) * slow for layer in profile.layers]
+    if profile.recompute == "full":
+        bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
+    stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
+    pp_link = group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.dp * plan.tp)
+    stage_f, stage_b, tp_s, p2p_s = [], [], 0.0, 0.0
+    for start, stop in stages:
+        part = profile.slice(start, stop)
+        tp_comm = _tp_comm(part, hw, plan, micro)
+        send = p2p_time(part.output_bytes * micro / plan.tp, pp_link) if stop < len(profile.layers) else 0.0
+        stage_f.append(sum(fwd[start:stop]) + tp_comm / 2 + send)
+        stage_b.append(sum(bwd[start:stop]) + tp_comm / 2 + send)
+        tp_s, p2p_s = max(tp_s, tp_comm), max(p2p_s, 2 * send)
+    m = plan.microbatches
+    per_micro = [f + b for f, b in zip(stage_f, stage_b, strict=True)]
+    # GPipe and 1F1B have the same bubble: fill and drain pass once through every stage, the
+    # slowest stage sets the pace for the other m - 1 micro-batches (Huang et al. 2019; Narayanan
+    # et al. 2019). With one stage this is plain gradient accumulation.
+    pipeline = sum(per_micro) + (m - 1) * max(per_micro)
+    busy = m * max(per_micro)
+    compute = sum(fwd) / plan.pp * m + sum(bwd) / plan.pp * m
+
+    # data parallelism: the stage with the most parameters synchronizes the longest
+    start, stop = max(stages, key=lambda r: profile.slice(*r).n_params)
+    grad_bytes = profile.slice(start, stop).n_params * 4.0 / plan.tp  # gradients reduce in fp32
+    update = UPDATE_BYTES.get(opts.optimizer, 28.0) * grad_bytes / 4.0 / hw.device.mem_bandwidth * slow
+    if opts.shard_optimizer:
+        update /= plan.dp
+    dp_exposed, dp_total, codec = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
+    data = profile.input_bytes * global_batch / plan.dp / hw.device.mem_bandwidth
+    overhead = hw.constants.get("step_overhead_s", 0.0) * slow
+    step = pipeline + dp_exposed + codec + update + data + overhead
+    straggler = 0.0
+    if opts.straggler > 1 and plan.dp > 1:
+        straggler = (opts.straggler - 1) * pipeline
+        if plan.servers and plan.consistency != "bsp":  # the others do not wait for it
+            straggler = 0.0
+        step += straggler
+    breakdown = {"compute": compute, "bubble": max(0.0, pipeline - busy), "tp_comm": tp_s * m,
+                 "pp_comm": p2p_s * m, "dp_comm_exposed": dp_exposed, "dp_comm_total": dp_total,
+                 "codec": codec, "update": update, "data": data, "overhead": overhead, "straggler": straggler}
+    samples = global_batch / step
+    if plan.servers and plan.consistency != "bsp" and opts.straggler > 1:
+        # asynchronous workers each run at their own pace: the slow one adds its share only
+        fast = (plan.dp - 1) / plan.dp * global_batch / step
+        samples = fast + global_batch / plan.dp / (step + (opts.straggler - 1) * pipeline)
+    memory = device_memory(profile, plan, stages, micro, opts)
+    terms = {k: v for k, v in breakdown.items() if k != "dp_comm_total"}
+    return Estimate(plan=plan, step_s=step, samples_per_s=samples, memory_bytes=memory,
+                    fits=memory <= hw.device.mem_capacity, bottleneck=max(terms, key=terms.get),
+                    breakdown=breakdown)
+
+
+def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
+             fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float, float]:
+    """(exposed seconds, seconds on the link, encode/decode seconds) of one step's gradient sync."""
+    if plan.dp == 1:
+        return 0.0, 0.0, 0.0
+    link = _dp_link(hw, plan)
+    start, stop = stage
+    if plan.servers:  # pushes go out during backward, pulls come in before forward (ps.overlap)
+        push = compressed_bytes(grad_bytes, plan.compressor)
+        total = ps_time(grad_bytes, plan.dp, plan.servers, link, push_bytes=push)
+        window = sum(bwd[start:stop]) if plan.consistency == "bsp" else sum(fwd[start:stop]) * m + \
+            sum(bwd[start:stop]) * m
+        return max(0.0, total - window), total, _codec(hw, plan.compressor, grad_bytes)
+
+    def send(nbytes: float) -> float:
+        if plan.compressor == "none":
+            return allreduce_time(nbytes, plan.dp, link, plan.algorithm)
+        return compressed_sync_time(nbytes, plan.dp, link, plan.compressor, plan.algorithm)
+
+    # backward of the last micro-batch is the window (earlier ones run under no_sync)
+    layers = [overlap.LayerTimes(fwd[i], bwd[i], profile.layers[i].param_count * 4.0 / plan.tp)
+              for i in range(start, stop)]
+    bucket, first = opts.bucket_mb * 2**20, opts.first_bucket_mb * 2**20
+    total = overlap.total_comm(layers, send, bucket)
+    if plan.sync == "one_step_delay":
+        exposed = overlap.one_step_delay_exposed(layers, send, bucket)
+    elif plan.scheduler == "fifo":
+        exposed = overlap.fifo_exposed(layers, send, bucket)
+    elif plan.scheduler == "priority" and plan.pp == 1 and m == 1:
+        exposed = overlap.priority_exposed(layers, send, opts.partition_mb * 2**20)
+    else:
+        exposed = overlap.wait_free_exposed(layers, send, bucket, first)
+    return exposed, total, _codec(hw, plan.compressor, grad_bytes)
+
+
+def _codec(hw: Hardware, compressor: str, grad_bytes: float) -> float:
+    """Encode plus decode seconds: `codec_passes.<name>` passes over the gradient at memory bandwidth.
+
+    The default pass counts are assumptions (fp16: read fp32, write fp16, and back: ~2; the
+    quantizers ~4; top-k selection ~8), replaced by `paraloom calibrate`'s measured constants.
+    """
+    if compressor == "none":
+        return 0.0
+    defaults = {"fp16": 2.0, "bf16": 2.0, "qsgd": 4.0, "onebit": 4.0, "efsign": 4.0, "topk": 8.0,
+                "randomk": 4.0, "dgc": 8.0, "powersgd": 6.0}
+    passes = hw.constants.get(f"codec_passes.{compressor}", defaults.get(compressor, 4.0))
+    return passes * grad_bytes / hw.device.mem_bandwidth

@@ -1,0 +1,57 @@
+"""Scheduler overlap formulas against hand-simulated timelines (send time = bytes / 100 s)."""
+
+import pytest
+
+from paraloom.perfmodel.overlap import (
+    LayerTimes,
+    fifo_exposed,
+    one_step_delay_exposed,
+    priority_exposed,
+    total_comm,
+    wait_free_exposed,
+)
+
+
+def send(nbytes):
+    return nbytes / 100
+
+
+EVEN = [LayerTimes(1.0, 1.0, 100.0), LayerTimes(1.0, 1.0, 100.0)]
+HEAVY_TOP = [LayerTimes(1.0, 1.0, 100.0), LayerTimes(1.0, 1.0, 300.0)]  # the last layer holds most bytes
+
+
+def test_fifo_exposes_everything():
+    assert fifo_exposed(EVEN, send, 1000) == pytest.approx(2.0)
+    assert fifo_exposed(EVEN, send, 50) == pytest.approx(2.0)  # four buckets of 50, back to back
+    assert total_comm(HEAVY_TOP, send, 1000) == pytest.approx(4.0)
+
+
+def test_wait_free_hides_all_but_the_last_bucket():
+    # layer 1 ready at 1 s: its bucket goes 1 -> 2; layer 0 ready at 2 s: 2 -> 3; backward ends at 2
+    assert wait_free_exposed(EVEN, send, 100, 100) == pytest.approx(1.0)
+    # heavy top: a 100-byte first bucket 1 -> 2, then 300 bytes wait for the end of backward: 2 -> 5
+    assert wait_free_exposed(HEAVY_TOP, send, 1000, 100) == pytest.approx(3.0)
+
+
+def test_priority_sends_what_the_next_forward_needs_first():
+    # pieces of 100: layer 1's first piece 1 -> 2, then layer 0 (ready at 2, first in forward) 2 -> 3,
+    # then layer 1's other two 3 -> 5. Next forward: layer 0 at max(2, 3) + 1 = 4, layer 1 at
+    # max(4, 5) + 1 = 6; exposed = 6 - 2 (backward) - 2 (forward) = 2, against wait_free's 3.
+    assert priority_exposed(HEAVY_TOP, send, 100) == pytest.approx(2.0)
+    assert priority_exposed(HEAVY_TOP, send, 100) < wait_free_exposed(HEAVY_TOP, send, 1000, 100)
+
+
+def test_priority_coarsens_pieces_but_keeps_the_bytes():
+    many = [LayerTimes(0.0, 0.0, 1e6)] * 10
+    assert priority_exposed(many, send, 1.0, max_pieces=100) == pytest.approx(1e5, rel=1e-9)
+
+
+def test_one_step_delay_hides_up_to_a_whole_step():
+    assert one_step_delay_exposed(EVEN, send, 1000) == 0.0  # 2 s of comm under 4 s of compute
+    assert one_step_delay_exposed(EVEN, lambda b: b / 25, 1000) == pytest.approx(4.0)  # 8 s under 4
+
+
+def test_nothing_to_send_exposes_nothing():
+    empty = [LayerTimes(1.0, 1.0, 0.0)]
+    assert fifo_exposed(empty, send, 100) == wait_free_exposed(empty, send, 100, 10) == 0.0
+    assert priority_exposed(empty, send, 100) == 0.0

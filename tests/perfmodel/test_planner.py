@@ -1,0 +1,112 @@
+"""The planner: only valid plans, memory limits kept, a recommendation, JSON, plot and a runnable config."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from paraloom.cli import main
+from paraloom.config import load_config
+from paraloom.errors import UserError
+from paraloom.perfmodel.hardware import load_hardware
+from paraloom.perfmodel.planner import grids, parse_nodes, parse_plan, rank, tp_sizes
+from paraloom.perfmodel.profile import profile_model
+
+GPT = "gpt:layers=4,hidden=64,heads=4,seq=32"
+GPT_175B = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
+
+
+@pytest.mark.parametrize("spec,preset,nodes,batch", [
+    (GPT, "a100-hdr", 2, 64), ("gpt:layers=6,hidden=96,heads=6,seq=16", "v100-25gbe", 3, 48),
+    ("mlp:hidden=256", "h100-ib-ndr", 1, 32), ("resnet18", "v100-10gbe", 2, 96)])
+def test_plans_respect_divisibility_and_memory(spec, preset, nodes, batch):
+    profile, hw = profile_model(spec), load_hardware(preset)
+    world = nodes * hw.devices_per_node
+    ranked = rank(profile, hw, nodes, batch)
+    assert ranked.estimates
+    sizes = tp_sizes(spec)
+    for e in ranked.estimates:
+        p = e.plan
+        assert p.dp * p.tp * p.pp == world
+        assert batch % (p.dp * p.microbatches) == 0
+        assert all(s % p.tp == 0 for s in sizes) and (p.tp == 1 or sizes)
+        assert p.pp <= len(profile.layers) and (p.pp == 1 or p.microbatches >= p.pp)
+        assert e.fits and e.memory_bytes <= hw.device.mem_capacity
+    speeds = [e.samples_per_s for e in ranked.estimates]
+    assert all(b <= a * 1.001 for a, b in zip(speeds, speeds[1:], strict=False)), speeds  # fastest first
+
+
+def test_plans_that_do_not_fit_are_dropped():
+    profile, hw = profile_model(GPT_175B, dtype="bf16", recompute="full"), load_hardware("h100-ib-ndr")
+    ranked = rank(profile, hw, 8, 1536)  # 64 GPUs: only deep model parallelism fits 175B
+    assert ranked.dropped > 0
+    assert all(e.plan.tp * e.plan.pp >= 32 for e in ranked.estimates)
+
+
+def test_plan_175b_on_64_to_1024_h100_answers_in_under_30_s(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    start = time.perf_counter()
+    code = main(["plan", "--model", GPT_175B, "--cluster", "h100-ib-ndr", "--nodes", "8..128",
+                 "--global-batch", "1536", "--dtype", "bf16", "--recompute", "full", "--json", str(out),
+                 "--plot", str(tmp_path / "plan.png")])
+    elapsed = time.perf_counter() - start
+    assert code == 0 and elapsed < 30, elapsed
+    report = json.loads(out.read_text())
+    assert [b["nodes"] for b in report["by_nodes"]] == [8, 16, 32, 64, 128]
+    rec = report["recommended"]
+    assert rec["nodes"] in (8, 16, 32, 64, 128) and rec["plan"]["samples_per_s"] > 0
+    for entry in report["by_nodes"]:
+        for p in entry["plans"]:
+            assert {"step_s", "samples_per_s", "memory_bytes", "label"} <= set(p)
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    assert "recommended:" in capsys.readouterr().out
+
+
+def test_one_given_plan_is_predicted(tmp_path):
+    out = tmp_path / "one.json"
+    assert main(["plan", "--model", GPT, "--cluster", "a100-hdr", "--nodes", "1", "--global-batch", "64",
+                 "--plan", "dp=2,tp=2,pp=2,microbatches=4", "--json", str(out)]) == 0
+    est = json.loads(out.read_text())["estimate"]
+    assert est["plan"]["tp"] == 2 and est["label"] == "dp2 tp2 pp2 m4 1f1b wait_free"
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys):
+    for args in (["--nodes", "0..4"], ["--plan", "dp=2,zz=1"], ["--model", "nonesuch"],
+                 ["--cluster", "tpu-v9"], ["--global-batch", "0"]):
+        base = {"--model": GPT, "--cluster": "a100-hdr", "--nodes": "1"}
+        base.update(dict(zip(args[::2], args[1::2], strict=True)))
+        argv = ["plan", *[x for kv in base.items() for x in kv]]
+        if "--global-batch" not in base:
+            argv += ["--global-batch", "64"]
+        assert main(argv) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("paraloom: error:") and "\n" not in err, err
+
+
+def test_parsers():
+    assert parse_nodes("1..64") == [1, 2, 4, 8, 16, 32, 64] and parse_nodes("3..12") == [3, 6, 12]
+    assert parse_nodes("4,2,2") == [2, 4]
+    with pytest.raises(UserError):
+        parse_nodes("eight")
+    assert parse_plan("dp=2,scheduler=fifo").scheduler == "fifo"
+    assert grids(1, profile_model("mlp"), load_hardware("a100-hdr"), 1)[0].dp == 1
+
+
+def test_emitted_config_trains_as_it_is(tmp_path):
+    hw = tmp_path / "two.yaml"
+    hw.write_text(yaml.safe_dump({"name": "two-cpus", "device": "v100", "devices_per_node": 2,
+                                  "intra": "nvlink2", "inter": "10gbe"}))
+    config = tmp_path / "best.yaml"
+    assert main(["plan", "--model", GPT, "--cluster", str(hw), "--nodes", "1", "--global-batch", "16",
+                 "--exact-only", "--emit", str(config)]) == 0
+    cfg = load_config(str(config), [])
+    cfg.validate_world(cfg.parallel.nproc)
+    assert cfg.model.name == "gpt" and cfg.model.n_layers == 4 and cfg.data.batch_size == 16
+    done = subprocess.run([sys.executable, "-m", "paraloom", "train", str(config),
+                           "--set", "optim.max_steps=2", "--set", "data.text_bytes=20000",
+                           "--set", f"run.out_dir={tmp_path}",
+                           "--set", "run.checkpoint_every=0"], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]

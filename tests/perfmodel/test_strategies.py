@@ -1,0 +1,124 @@
+"""The cost model on hand-sized models and hardware: every term checked against a computed value."""
+
+import pytest
+
+from paraloom.errors import UserError
+from paraloom.perfmodel.hardware import Device, Hardware, Link
+from paraloom.perfmodel.memory import activation_share, in_flight
+from paraloom.perfmodel.network import allreduce_time
+from paraloom.perfmodel.profile import LayerProfile, ModelProfile
+from paraloom.perfmodel.strategies import Options, Plan, estimate, split_stages
+
+GFLOP = 1e9
+
+
+def layer(name, fwd=1e6, params=1000, out=100.0, act=400.0):
+    """fwd FLOPs per sample (all matmul), backward twice that."""
+    return LayerProfile(name=name, fwd_flops={"matmul": fwd}, bwd_flops={"matmul": 2 * fwd},
+                        param_count=params, activation_bytes=act, output_bytes=out)
+
+
+def model(n=4, **kw):
+    return ModelProfile(spec="gpt:layers=2", dtype="fp32", recompute="none",
+                        layers=tuple(layer(str(i), **kw) for i in range(n)), input_bytes=8.0)
+
+
+def hardware(per_node=1, inter_bw=1e6, intra_bw=1e9, latency=0.0, **constants):
+    device = Device("toy", {"fp32": GFLOP}, {"matmul": 1.0, "conv": 1.0, "attention": 1.0, "other": 1.0},
+                    mem_bandwidth=1e18, mem_capacity=1e12)
+    return Hardware("toy", device, per_node, Link("intra", intra_bw, latency),
+                    Link("inter", inter_bw, latency), constants=constants)
+
+
+def test_one_device_is_forward_plus_backward_at_the_achieved_rate():
+    e = estimate(model(), hardware(), Plan(), 10)
+    # 4 layers x (1 + 2) MFLOP x 10 samples at 1 GFLOP/s = 0.12 s
+    assert e.step_s == pytest.approx(0.12, rel=1e-6)
+    assert e.breakdown["compute"] == pytest.approx(0.12, rel=1e-6)
+    assert e.samples_per_s == pytest.approx(10 / 0.12, rel=1e-6)
+    assert e.bottleneck == "compute"
+
+
+def test_fifo_data_parallel_adds_the_whole_all_reduce():
+    hw = hardware()
+    e = estimate(model(), hw, Plan(dp=4, scheduler="fifo"), 40)
+    grad = 4 * 1000 * 4.0  # fp32 gradients of 4000 parameters
+    assert e.breakdown["dp_comm_exposed"] == pytest.approx(allreduce_time(grad, 4, hw.inter, "ring"))
+    assert e.step_s == pytest.approx(0.12 + allreduce_time(grad, 4, hw.inter, "ring"), rel=1e-6)
+
+
+def test_wait_free_and_one_step_delay_hide_communication_behind_compute():
+    hw = hardware(inter_bw=2e5)  # 16 KB of gradients: 0.12 s on the ring, as long as backward
+    layer_buckets = Options(bucket_mb=4000 / 2**20, first_bucket_mb=4000 / 2**20)  # a bucket per layer
+    fifo = estimate(model(), hw, Plan(dp=4, scheduler="fifo"), 40, layer_buckets)
+    free = estimate(model(), hw, Plan(dp=4, scheduler="wait_free"), 40, layer_buckets)
+    delay = estimate(model(), hw, Plan(dp=4, sync="one_step_delay"), 40, layer_buckets)
+    assert delay.step_s < free.step_s < fifo.step_s
+    one_bucket = estimate(model(), hw, Plan(dp=4, scheduler="wait_free"), 40)  # 16 KB < the 1 MB first bucket
+    assert one_bucket.step_s == pytest.approx(fifo.step_s)
+    assert delay.breakdown["dp_comm_exposed"] == 0.0
+
+
+def test_pipeline_bubble_is_stages_minus_one_over_m_plus_stages_minus_one():
+    hw = hardware(per_node=1, inter_bw=1e15)  # p2p free
+    for pp, m in ((2, 4), (4, 8), (4, 4)):
+        e = estimate(model(n=8), hw, Plan(pp=pp, microbatches=m), 8 * m)
+        busy = e.step_s - e.breakdown["bubble"]
+        assert e.breakdown["bubble"] / e.step_s == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-6)
+        assert busy == pytest.approx(8 * 3e6 * 8 * m / GFLOP / pp, rel=1e-6)
+
+
+def test_tensor_parallel_splits_matmul_and_pays_four_all_reduces_per_block():
+    hw = hardware(per_node=2, intra_bw=1e6)
+    e = estimate(model(n=4), hw, Plan(tp=2), 10)
+    # embedding 1 + two blocks x 4 + head 1 = 10 all-reduces of 100 B x 10 samples over tp = 2
+    assert e.breakdown["tp_comm"] == pytest.approx(10 * allreduce_time(1000.0, 2, hw.intra, "ring"))
+    assert e.breakdown["compute"] == pytest.approx(0.06, rel=1e-6)
+
+
+def test_emulated_devices_share_the_host_cores():
+    alone = estimate(model(), hardware(), Plan(dp=4, scheduler="fifo"), 40)
+    shared = estimate(model(), hardware(host_cores=2), Plan(dp=4, scheduler="fifo"), 40)
+    assert shared.breakdown["compute"] == pytest.approx(2 * alone.breakdown["compute"])
+
+
+def test_straggler_slows_bsp_but_not_asp():
+    hw = hardware(inter_bw=1e9)
+    opts = Options(straggler=2.0)
+    bsp = estimate(model(), hw, Plan(dp=4, servers=1, consistency="bsp"), 40, opts)
+    asp = estimate(model(), hw, Plan(dp=4, servers=1, consistency="asp"), 40, opts)
+    even = estimate(model(), hw, Plan(dp=4, servers=1, consistency="asp"), 40)
+    assert bsp.samples_per_s < asp.samples_per_s < even.samples_per_s
+
+
+def test_memory_counts_weights_grads_adam_buffers_and_in_flight_activations():
+    e = estimate(model(), hardware(), Plan(), 10)
+    params = 4000
+    # fp32 weights 4 + grads 4 + Adam 8 bytes per parameter; activations 4 layers x 400 B x 10 samples
+    assert e.memory_bytes == pytest.approx(params * 16 + 4 * 400 * 10)
+    assert in_flight("gpipe", 8, 4, 0) == 8 and in_flight("1f1b", 8, 4, 0) == 4
+    assert in_flight("1f1b", 8, 4, 3) == 1 and in_flight("1f1b", 2, 4, 0) == 2
+    assert activation_share(1) == 1.0 and activation_share(4) == pytest.approx(10 / 34 + 24 / 34 / 4)
+    gpipe = estimate(model(n=8), hardware(), Plan(pp=4, microbatches=8, schedule="gpipe"), 64)
+    one_f = estimate(model(n=8), hardware(), Plan(pp=4, microbatches=8, schedule="1f1b"), 64)
+    assert gpipe.memory_bytes > one_f.memory_bytes
+
+
+def test_split_stages_minimizes_the_slowest_stage():
+    profile = model(n=5)
+    assert split_stages(profile, 2, [1, 1, 1, 1, 4]) == [(0, 4), (4, 5)]
+    assert split_stages(profile, 5, [1, 1, 1, 1, 4]) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert split_stages(profile, 3, [3, 1, 1, 1, 3]) == [(0, 1), (1, 4), (4, 5)]
+    with pytest.raises(UserError, match="pp=6 stages need at least 6 layers"):
+        split_stages(profile, 6, [1] * 5)
+
+
+def test_bad_plans_and_batches_are_one_line_errors():
+    with pytest.raises(UserError, match="choose a multiple of 12"):
+        estimate(model(), hardware(), Plan(dp=3, microbatches=4), 10)
+    with pytest.raises(UserError, match="scheduler='lifo' is not known"):
+        Plan(scheduler="lifo")
+    with pytest.raises(UserError, match="whole replicas"):
+        Plan(tp=2, servers=1)
+    plan = Plan(dp=4, tp=2, pp=2, microbatches=8, scheduler="priority")
+    assert plan.label() == "dp4 tp2 pp2 m8 1f1b priority"
