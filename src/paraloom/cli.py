@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from paraloom import cli_perf
 from paraloom.config import load_config
 from paraloom.config_help import section_keys
 from paraloom.errors import UserError, WorkersFailed
@@ -276,36 +277,8 @@ def bench_collectives(
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-@app.command()
-def plan(
-    model: Annotated[str, typer.Option(
-        help="model spec: gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200, resnet50, vgg16, "
-             "mlp:hidden=1024, or package.module:factory")],
-    cluster: Annotated[str, typer.Option(
-        help="hardware preset (h100-ib-ndr, a100-hdr, v100-25gbe, ...) or a hardware YAML file")],
-    nodes: Annotated[str, typer.Option(help="node counts: 8, 1..64 (powers of two) or 1,2,3")] = "1..8",
-    global_batch: Annotated[int, typer.Option(help="samples per optimizer step")] = 256,
-    dtype: Annotated[str, typer.Option(help="fp32, fp16 or bf16 (mixed precision)")] = "fp32",
-    recompute: Annotated[str, typer.Option(help="activation recomputation: none or full")] = "none",
-    optimizer: Annotated[str, typer.Option(help="adam, momentum or sgd (optimizer state)")] = "adam",
-    plan_: Annotated[str | None, typer.Option(
-        "--plan", metavar="dp=..,tp=..,pp=..,microbatches=..",
-        help="predict this plan on the first node count instead of searching")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="write every ranked plan here")] = None,
-    emit: Annotated[Path | None, typer.Option(help="write the best plan as a paraloom train config")] = None,
-    plot: Annotated[Path | None, typer.Option(help="draw throughput and efficiency by node count")] = None,
-    efficiency_floor: Annotated[float, typer.Option(
-        help="recommend the most nodes whose scaling efficiency stays at or above this")] = 0.7,
-    exact_only: Annotated[bool, typer.Option(
-        "--exact-only", help="only plans that keep synchronous SGD's math")] = False,
-    top: Annotated[int, typer.Option(help="rows per table")] = 10,
-) -> None:
-    """Predict step time and memory of every parallel plan; recommend a plan and a node count."""
-    from paraloom.perfmodel.plan_command import run_plan
-
-    run_plan(model=model, cluster=cluster, nodes=nodes, global_batch=global_batch, dtype=dtype,
-             recompute=recompute, optimizer=optimizer, plan=plan_, json_out=json_out, emit=emit, plot=plot,
-             floor=efficiency_floor, exact_only=exact_only, top=top)
+app.command()(cli_perf.plan)
+app.command()(cli_perf.calibrate)
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:

@@ -22,10 +22,10 @@ SCHEDULERS = ("fifo", "wait_free", "priority")
 SYNCS = ("sync", "one_step_delay")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 CONSISTENCY = ("bsp", "asp", "ssp")
-# Bytes an optimizer update reads and writes per parameter (fp32 state): SGD with momentum reads
-# weight, grad, buffer and writes weight, buffer (20); Adam reads weight, grad, m, v and writes
-# weight, m, v (28). A fused kernel does it in one pass, so the update is memory-bound.
-UPDATE_BYTES = {"sgd": 20.0, "adam": 28.0}
+# Bytes an optimizer update reads and writes per parameter (fp32 state): plain SGD reads weight and
+# grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
+# weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
+UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,185 @@
+"""Performance model against measurement: predicted and measured step time on emulated clusters.
+
+    python benchmarks/perfmodel_validation.py [--quick] --json OUT        (needs root)
+
+1. Calibrate: this machine's compute constants and, per link rate, the ring all-reduce's alpha
+   and beta across a 2-node emulated cluster (`paraloom.perfmodel.calibrate`); then refine the
+   compute scale and per-step overhead from two single-worker runs (MLP and GPT on one thread),
+   which are not among the validated configurations.
+2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
+   10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
+   parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
+   Step time is the steady state: the last logged interval (data parallel), the median step
+   (tensor and pipeline), all workers' throughput (parameter server).
+3. Report per configuration the predicted and measured step time and the relative error; per
+   group (same model, workers and link) whether the predicted fastest is the measured fastest
+   (or within 5% of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+MLP = ["model.name=mlp", "model.hidden=1024", "model.depth=3", "data.batch_size=64"]
+GPT = ["model.name=gpt", "model.n_layers=4", "model.d_model=128", "model.n_heads=4", "data.name=text",
+       "data.seq_len=64", "data.batch_size=32", "data.text_bytes=200000"]
+RATES = ("100mbit", "1gbit", "10gbit")
+MLP_VARIANTS = {"wait_free": [], "fifo": ["comm.scheduler=fifo"], "priority": ["comm.scheduler=priority"],
+                "fp16": ["comm.compressor=fp16"]}
+PS_VARIANTS = {"ps_bsp": ["parallel.mode=ps", "ps.servers=1", "ps.consistency=bsp"],
+               "ps_asp": ["parallel.mode=ps", "ps.servers=1", "ps.consistency=asp"]}
+GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
+                "gpt_pp2": ["parallel.pp=2", "parallel.microbatches=4"]}
+STEPS, LOG_EVERY = 40, 10
+
+
+def configurations(quick: bool) -> list[dict[str, Any]]:
+    """Every measured configuration: name, group, model overrides, workers, link rate."""
+    rates = ("1gbit",) if quick else RATES
+    out = []
+    for rate in rates:
+        for workers in ((2,) if quick else (2, 4)):
+            group = f"mlp {workers}w {rate}"
+            if quick:
+                variants = {"wait_free": MLP_VARIANTS["wait_free"], "ps_bsp": PS_VARIANTS["ps_bsp"]}
+            else:
+                variants = {**MLP_VARIANTS, **(PS_VARIANTS if workers == 2 else {})}
+            for name, extra in variants.items():
+                out.append({"name": f"{name} {workers}w {rate}", "group": group, "workers": workers,
+                            "rate": rate, "args": [*MLP, *extra]})
+        if not quick and rate == "1gbit":
+            for name, extra in GPT_VARIANTS.items():
+                out.append({"name": f"{name} 2w {rate}", "group": f"gpt 2w {rate}", "workers": 2,
+                            "rate": rate, "args": [*GPT, *extra]})
+    return out
+
+
+def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | None = None) -> Path:
+    cmd = [sys.executable, "-m", "paraloom", "train", *launch]
+    for item in [*args, f"optim.max_steps={STEPS}", f"run.log_every={LOG_EVERY}", f"run.out_dir={out}",
+                 f"run.name={name.replace(' ', '_')}", "run.checkpoint_every=0", "run.save_model=false"]:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    if done.returncode:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+    return out / name.replace(" ", "_")
+
+
+def measured_step(run: Path, batch: int) -> float:
+    """Steady-state seconds per step from a finished run directory."""
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    if "grid" in summary:  # tensor / pipeline parallel: median step of the run
+        return summary["step_seconds"]
+    if "servers" in summary:  # parameter server: every worker's throughput
+        return batch / summary["samples_per_second"]
+    return batch / rows[-1]["samples_per_s"]
+
+
+def measure(quick: bool, console: Console) -> dict[str, Any]:
+    """Calibrate per link rate, then run every configuration; predictions are added by `predict`."""
+    from paraloom.cluster import ClusterSpec, EmulatedCluster, parse_rate
+    from paraloom.perfmodel.calibrate import calibrate, refine
+
+    configs = configurations(quick)
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "hardware": {},
+                              "configs": []}
+    with tempfile.TemporaryDirectory(prefix="paraloom-pmval-") as tmp:
+        out = Path(tmp)
+        one_thread = dict(os.environ, OMP_NUM_THREADS="1")
+        console.print("calibrating: two single-worker runs (refinement, not validated)")
+        refine_runs = [train(out, "refine mlp", MLP, ["--nproc", "1"], one_thread),
+                       train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread)]
+        for rate in sorted({c["rate"] for c in configs}):
+            console.print(f"calibrating: compute and links at {rate}")
+            with EmulatedCluster(ClusterSpec(2, parse_rate(rate), "pmv")) as cluster:
+                hw, _ = calibrate(cluster=cluster, name=f"this-machine-{rate}")
+            hw, points = refine(hw, refine_runs)
+            report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points}
+        for i, c in enumerate(configs):
+            launch = ["--emulate", f"{c['workers'] + ('parallel.mode=ps' in c['args'])}x{c['rate']}"]
+            console.print(f"[{i + 1}/{len(configs)}] {c['name']}")
+            run = train(out, c["name"], c["args"], launch)
+            config = yaml.safe_load((run / "config.yaml").read_text())
+            report["configs"].append({**{k: c[k] for k in ("name", "group", "workers", "rate")},
+                                      "measured_s": measured_step(run, config["data"]["batch_size"]),
+                                      "config": config})
+    return report
+
+
+def predict(report: dict[str, Any]) -> dict[str, Any]:
+    """Predictions from the stored hardware profiles and configs; errors, groups and the summary."""
+    from paraloom.config import Config
+    from paraloom.perfmodel.from_config import predictable
+    from paraloom.perfmodel.hardware import Hardware
+    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.strategies import estimate
+
+    profiles = {rate: Hardware.from_yaml(yaml.safe_dump(h["profile"]))
+                for rate, h in report["hardware"].items()}
+    for c in report["configs"]:
+        what = predictable(Config.from_dict(c["config"]), c["workers"])
+        e = estimate(profile_model(what.spec, recompute=what.recompute), profiles[c["rate"]], what.plan,
+                     what.global_batch, what.options)
+        c.update({"plan": what.plan.label(), "predicted_s": e.step_s,
+                  "rel_err": e.step_s / c["measured_s"] - 1, "breakdown": e.breakdown})
+    report["groups"] = {}
+    for group in dict.fromkeys(c["group"] for c in report["configs"]):
+        rows = [c for c in report["configs"] if c["group"] == group]
+        if len(rows) < 2:
+            continue
+        pick = min(rows, key=lambda c: c["predicted_s"])
+        fastest = min(rows, key=lambda c: c["measured_s"])
+        report["groups"][group] = {"predicted_fastest": pick["name"], "measured_fastest": fastest["name"],
+                                   "hit": pick["measured_s"] <= 1.05 * fastest["measured_s"]}
+    errors = [abs(c["rel_err"]) for c in report["configs"]]
+    hits = [g["hit"] for g in report["groups"].values()]
+    report["summary"] = {"median_abs_err": statistics.median(errors), "max_abs_err": max(errors),
+                         "best_plan_hit_rate": sum(hits) / len(hits) if hits else None,
+                         "n_configs": len(errors)}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 Gbit/s, 2 workers, 2 plans: a smoke run")
+    parser.add_argument("--reanalyze", metavar="JSON", help="predict again from a report's measurements")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    console = Console(width=150)
+    if args.reanalyze:
+        report = predict(json.loads(Path(args.reanalyze).read_text()))
+    else:
+        report = predict(measure(args.quick, console))
+    table = Table(title="performance model: predicted vs measured step time")
+    for column in ("configuration", "plan", "predicted ms", "measured ms", "error", "bottleneck"):
+        left = column in ("configuration", "plan", "bottleneck")
+        table.add_column(column, justify="left" if left else "right")
+    for c in report["configs"]:
+        terms = {k: v for k, v in c["breakdown"].items() if k != "dp_comm_total"}
+        table.add_row(c["name"], c["plan"], f"{c['predicted_s'] * 1e3:.1f}", f"{c['measured_s'] * 1e3:.1f}",
+                      f"{c['rel_err']:+.1%}", max(terms, key=terms.get))
+    console.print(table)
+    for group, g in report["groups"].items():
+        console.print(f"{group}: predicted fastest {g['predicted_fastest']}, measured {g['measured_fastest']}"
+                      f" -> {'hit' if g['hit'] else 'miss'}")
+    console.print_json(data=report["summary"])
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`paraloom plan` and `paraloom calibrate`: the performance model's commands (registered in cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from paraloom.errors import UserError
+
+
+def plan(
+    model: Annotated[str, typer.Option(
+        help="model spec: gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200, resnet50, vgg16, "
+             "mlp:hidden=1024, or package.module:factory")],
+    cluster: Annotated[str, typer.Option(
+        help="hardware preset (h100-ib-ndr, a100-hdr, v100-25gbe, ...) or a hardware YAML file")],
+    nodes: Annotated[str, typer.Option(help="node counts: 8, 1..64 (powers of two) or 1,2,3")] = "1..8",
+    global_batch: Annotated[int, typer.Option(help="samples per optimizer step")] = 256,
+    dtype: Annotated[str, typer.Option(help="fp32, fp16 or bf16 (mixed precision)")] = "fp32",
+    recompute: Annotated[str, typer.Option(help="activation recomputation: none or full")] = "none",
+    optimizer: Annotated[str, typer.Option(help="adam, momentum or sgd (optimizer state)")] = "adam",
+    plan_: Annotated[str | None, typer.Option(
+        "--plan", metavar="dp=..,tp=..,pp=..,microbatches=..",
+        help="predict this plan on the first node count instead of searching")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write every ranked plan here")] = None,
+    emit: Annotated[Path | None, typer.Option(help="write the best plan as a paraloom train config")] = None,
+    plot: Annotated[Path | None, typer.Option(help="draw throughput and efficiency by node count")] = None,
+    efficiency_floor: Annotated[float, typer.Option(
+        help="recommend the most nodes whose scaling efficiency stays at or above this")] = 0.7,
+    exact_only: Annotated[bool, typer.Option(
+        "--exact-only", help="only plans that keep synchronous SGD's math")] = False,
+    top: Annotated[int, typer.Option(help="rows per table")] = 10,
+) -> None:
+    """Predict step time and memory of every parallel plan; recommend a plan and a node count."""
+    from paraloom.perfmodel.plan_command import run_plan
+
+    run_plan(model=model, cluster=cluster, nodes=nodes, global_batch=global_batch, dtype=dtype,
+             recompute=recompute, optimizer=optimizer, plan=plan_, json_out=json_out, emit=emit, plot=plot,
+             floor=efficiency_floor, exact_only=exact_only, top=top)
+
+
+def calibrate(
+    out: Annotated[Path, typer.Option(help="hardware profile to write (YAML)")] = Path("hardware.yaml"),
+    cluster: Annotated[str | None, typer.Option(help="measure inter-node links on emulated NAME")] = None,
+    emulate: Annotated[str | None, typer.Option(
+        metavar="NODESxRATE", help="emulate a cluster to measure inter-node links, e.g. 2x1gbit")] = None,
+    devices_per_node: Annotated[int, typer.Option(help="workers per node the profile describes")] = 1,
+    threads: Annotated[int, typer.Option(help="threads per worker while measuring compute")] = 1,
+    from_: Annotated[list[Path] | None, typer.Option(
+        "--from", metavar="RUN_DIR", help="refine --hardware from measured runs (repeatable)")] = None,
+    hardware: Annotated[str | None, typer.Option(help="the profile --from refines (preset or YAML)")] = None,
+) -> None:
+    """Measure this machine into a hardware profile for `paraloom plan`, or refine one from runs."""
+    from paraloom.perfmodel import calibrate as cal
+    from paraloom.perfmodel.hardware import load_hardware
+
+    if not out.parent.is_dir():
+        raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
+    console = Console()
+    if from_:
+        if hardware is None:
+            raise UserError("--from refines a profile: name it with --hardware FILE")
+        hw, points = cal.refine(load_hardware(hardware), from_)
+        for p in points:
+            console.print(f"{p['run']}: measured {p['measured_s'] * 1e3:.1f} ms/step, "
+                          f"predicted before {p['predicted_s'] * 1e3:.1f} ms")
+    else:
+        if threads < 1 or devices_per_node < 1:
+            raise UserError("--threads and --devices-per-node must be at least 1")
+        from paraloom.cli import _cluster_from_options
+
+        with _cluster_from_options(cluster, emulate) as nodes:
+            hw, _ = cal.calibrate(cluster=nodes, devices_per_node=devices_per_node, threads=threads,
+                                  progress=lambda text: console.print(f"measuring {text}"))
+    out.write_text(hw.to_yaml())
+    d = hw.device
+    console.print(f"matmul {d.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+                  f"memory {d.mem_bandwidth / 1e9:.1f} GB/s, "
+                  f"intra {hw.intra.bandwidth / 1e6:.0f} MB/s + {hw.intra.latency * 1e6:.0f} us, "
+                  f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us -> {out}")

@@ -1,0 +1,164 @@
+"""`paraloom calibrate`: this machine's constants as a hardware profile, and their refinement from runs.
+
+Micro-benchmarks, each timed as the median of repeats after a warm-up, on one worker's share of
+the cores (`threads`): matmul, convolution and attention throughput, element-wise throughput and
+memory bandwidth (a large copy), and the collectives' alpha and beta (ring all-reduce over a
+range of sizes, fitted with the alpha-beta model) on loopback or across an emulated cluster.
+`refine` then fits the compute efficiency and a per-step overhead to measured runs (grey box:
+the white-box formulas, constants from measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from paraloom.errors import UserError
+from paraloom.perfmodel.hardware import Device, Hardware, Link
+from paraloom.perfmodel.network import fit_alpha_beta
+
+LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
+
+
+def _rate(fn: Callable[[], Any], work: float, *, repeats: int = 7, min_s: float = 0.05) -> float:
+    """work / median seconds of `fn` (each sample repeats `fn` until it lasts `min_s`)."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_s:
+        fn()
+        calls += 1
+    calls = max(1, calls)
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t) / calls)
+    return work / statistics.median(samples)
+
+
+def measure_compute(threads: int = 1) -> dict[str, float]:
+    """FLOP/s by op class and memory bandwidth (bytes/s) on `threads` threads, fp32."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            a, b = torch.randn(512, 512), torch.randn(512, 512)
+            matmul = _rate(lambda: a @ b, 2 * 512**3)
+            x, w = torch.randn(8, 32, 32, 32), torch.randn(32, 32, 3, 3)
+            conv = _rate(lambda: F.conv2d(x, w, padding=1), 2 * 8 * 32 * 32 * 32 * 32 * 9)
+            q = torch.randn(4, 4, 128, 32)
+            attention = _rate(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                              4 * 4 * 4 * 128 * 128 * 32)
+            big = torch.randn(2**23)  # 32 MB: beyond the caches
+            out = torch.empty_like(big)
+            other = _rate(lambda: torch.add(big, 1.0, out=out), big.numel())
+            bandwidth = _rate(lambda: out.copy_(big), 2 * big.numel() * 4)
+    finally:
+        torch.set_num_threads(previous)
+    return {"matmul": matmul, "conv": conv, "attention": attention, "other": other, "bandwidth": bandwidth}
+
+
+def measure_link(cluster=None, nproc: int = 2) -> tuple[float, float, list[dict[str, Any]]]:
+    """(alpha seconds, bandwidth bytes/s, rows) of the ring all-reduce on loopback or `cluster`."""
+    from paraloom.comm.bench import run_collectives
+
+    report = run_collectives(sizes=LINK_SIZES, algorithms=["ring"], cluster=cluster, nproc=nproc,
+                             min_repeats=3, max_repeats=10, budget_s=1.0, progress=False)
+    rows = report["results"]
+    n = report["config"]["world_size"]
+    alpha, bandwidth = fit_alpha_beta([r["bytes"] for r in rows], [r["seconds"] for r in rows], n, "ring")
+    return alpha, bandwidth, rows
+
+
+def build_profile(compute: dict[str, float], intra: Link, inter: Link, *, name: str,
+                  devices_per_node: int, host_cores: int | None) -> Hardware:
+    """A hardware profile: peak = measured matmul rate, efficiency = each class against it."""
+    peak = compute["matmul"]
+    efficiency = {c: min(1.0, compute[c] / peak) for c in ("matmul", "conv", "attention", "other")}
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, devices_per_node)
+    device = Device(name="cpu", peak_flops={"fp32": peak}, efficiency=efficiency,
+                    mem_bandwidth=compute["bandwidth"], mem_capacity=memory)
+    constants = {"host_cores": float(host_cores)} if host_cores else {}
+    return Hardware(name=name, device=device, devices_per_node=devices_per_node, intra=intra, inter=inter,
+                    constants=constants)
+
+
+def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name: str = "this-machine",
+              progress: Callable[[str], None] = lambda _: None) -> tuple[Hardware, dict[str, Any]]:
+    """Measure this machine; inter-node constants come from `cluster` (emulated) when given."""
+    progress("compute: matmul, conv, attention, element-wise, memory bandwidth")
+    compute = measure_compute(threads)
+    progress("links: ring all-reduce on loopback")
+    alpha, bandwidth, loop_rows = measure_link(None, nproc=2)
+    intra = Link("loopback", bandwidth, alpha)
+    inter, inter_rows = intra, []
+    if cluster is not None:
+        progress(f"links: ring all-reduce across {cluster.nodes} emulated nodes")
+        alpha, bandwidth, inter_rows = measure_link(cluster)
+        inter = Link(f"emulated {cluster.spec.rate}", bandwidth, alpha)
+    # every emulated node is a process on this host: they share its cores (strategies._slowdown)
+    hw = build_profile(compute, intra, inter, name=name, devices_per_node=devices_per_node,
+                       host_cores=(os.cpu_count() or 1) // max(1, threads))
+    return hw, {"compute": compute, "loopback_rows": loop_rows, "inter_rows": inter_rows}
+
+
+def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str, float]]]:
+    """Fit measured = a * compute + (predicted - compute) + c over runs; divide efficiency by a, add c.
+
+    One run fixes a alone (c = 0); two or more give both by least squares.
+    """
+    from dataclasses import replace
+
+    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.strategies import estimate
+
+    points = []
+    for run in run_dirs:
+        measured, pred = _measured_and_predicted(run, hw, profile_model, estimate)
+        points.append({"run": str(run), "measured_s": measured, "predicted_s": pred.step_s,
+                       "compute_s": pred.breakdown["compute"]})
+    xs = [p["compute_s"] for p in points]
+    ys = [p["measured_s"] - (p["predicted_s"] - p["compute_s"]) for p in points]
+    if len(points) == 1 or len(set(xs)) == 1:
+        a, c = sum(ys) / sum(xs), 0.0
+    else:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        c = my - a * mx
+    if a <= 0:
+        raise UserError("the runs do not fit a positive compute scale; give runs with different models "
+                        "or batch sizes")
+    c = max(0.0, c)
+    efficiency = {k: v / a for k, v in hw.device.efficiency.items()}
+    top = max(efficiency.values())  # a fraction of peak stays <= 1: a faster machine raises the peak
+    peak = {k: v * max(1.0, top) for k, v in hw.device.peak_flops.items()}
+    efficiency = {k: v / max(1.0, top) for k, v in efficiency.items()}
+    device = replace(hw.device, efficiency=efficiency, peak_flops=peak)
+    overhead = hw.constants.get("step_overhead_s", 0.0) + c
+    refined = replace(hw, device=device, constants={**hw.constants, "step_overhead_s": overhead})
+    return refined, points
+
+
+def _measured_and_predicted(run: Path, hw: Hardware, profile_model, estimate):
+    from paraloom.config import load_config
+    from paraloom.perfmodel.from_config import predictable
+
+    summary_path, config_path = run / "summary.json", run / "config.yaml"
+    if not summary_path.is_file() or not config_path.is_file():
+        raise UserError(f"{str(run)!r} is not a finished run directory (summary.json and config.yaml)")
+    summary = json.loads(summary_path.read_text())
+    cfg = load_config(str(config_path), [])
+    world = int(summary.get("world_size") or cfg.parallel.nproc)
+    what = predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0))
+    measured = summary.get("step_seconds") or cfg.data.batch_size / summary["samples_per_second"]
+    profile = profile_model(what.spec, recompute=what.recompute)
+    return measured, estimate(profile, hw, what.plan, what.global_batch, what.options)

@@ -1,0 +1,53 @@
+"""The plan, model spec and options a `paraloom train` config runs, so a run can be predicted."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+from paraloom.config import Config
+from paraloom.perfmodel.strategies import Options, Plan
+
+
+@dataclass(frozen=True)
+class Predictable:
+    spec: str
+    recompute: str
+    plan: Plan
+    global_batch: int
+    options: Options
+
+
+def spec_of(cfg: Config) -> str:
+    """The model spec for the config's model on the config's data (input shape and classes)."""
+    from paraloom.data import load_dataset
+    from paraloom.models import MODELS
+
+    if cfg.model.name == "gpt":
+        m = cfg.model
+        return (f"gpt:layers={m.n_layers},hidden={m.d_model},heads={m.n_heads},"
+                f"seq={cfg.data.seq_len},vocab=256")
+    data = dataclasses.asdict(cfg.data)
+    split = load_dataset(data.pop("name"), **data)
+    accepted = inspect.signature(MODELS[cfg.model.name]).parameters
+    args = [f"{k}={v}" for k, v in dataclasses.asdict(cfg.model).items()
+            if k in accepted and k not in ("recompute",) and not isinstance(v, bool)]
+    shape = "x".join(str(n) for n in split.input_shape)
+    return f"{cfg.model.name}:" + ",".join([f"input={shape}", f"classes={split.n_classes}", *args])
+
+
+def predictable(cfg: Config, world: int) -> Predictable:
+    """What to predict for `cfg` run on `world` workers (servers not counted)."""
+    dp, tp, pp = cfg.grid(world)
+    comm, par = cfg.comm, cfg.parallel
+    ps = par.mode == "ps"
+    plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=par.microbatches, schedule=par.schedule,
+                scheduler=comm.scheduler, sync=comm.sync if comm.sync != "local_sgd" else "sync",
+                compressor=comm.compressor, algorithm=comm.algorithm,
+                servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")
+    optimizer = "adam" if cfg.optim.name == "adam" else ("momentum" if cfg.optim.momentum else "sgd")
+    options = Options(optimizer=optimizer, bucket_mb=comm.bucket_mb, first_bucket_mb=comm.first_bucket_mb,
+                      partition_mb=comm.partition_mb, shard_optimizer=comm.shard_optimizer)
+    recompute = "full" if cfg.model.name == "gpt" and cfg.model.recompute else "none"
+    return Predictable(spec_of(cfg), recompute, plan, cfg.data.batch_size, options)

@@ -1,0 +1,78 @@
+"""Calibration: measured constants make a valid profile; refinement fits runs it is given."""
+
+import json
+
+import pytest
+import yaml
+
+from paraloom.cli import main
+from paraloom.config import Config
+from paraloom.errors import UserError
+from paraloom.perfmodel.calibrate import build_profile, measure_compute, refine
+from paraloom.perfmodel.from_config import predictable
+from paraloom.perfmodel.hardware import Hardware, Link, load_hardware
+from paraloom.perfmodel.profile import profile_model
+from paraloom.perfmodel.strategies import estimate
+
+
+def test_compute_micro_benchmarks_give_positive_rates():
+    rates = measure_compute(threads=1)
+    assert set(rates) == {"matmul", "conv", "attention", "other", "bandwidth"}
+    assert all(v > 0 for v in rates.values())
+    assert rates["matmul"] > 1e8  # any CPU multiplies faster than 0.1 GFLOP/s
+
+
+def test_profile_from_measurements_round_trips_and_caps_efficiency():
+    rates = {"matmul": 4e10, "conv": 2e10, "attention": 1e10, "other": 8e10, "bandwidth": 1e10}
+    hw = build_profile(rates, Link("lo", 1e9, 1e-5), Link("emu", 1.25e8, 5e-5), name="here",
+                       devices_per_node=1, host_cores=2)
+    assert hw.device.peak_flops["fp32"] == 4e10
+    assert hw.device.efficiency == {"matmul": 1.0, "conv": 0.5, "attention": 0.25, "other": 1.0}
+    assert hw.constants["host_cores"] == 2.0
+    assert Hardware.from_yaml(hw.to_yaml()) == hw
+
+
+def _fake_run(tmp_path, name, overrides, seconds):
+    """A finished run directory as `paraloom train` leaves it: config.yaml and summary.json."""
+    run = tmp_path / name
+    run.mkdir()
+    cfg = Config.from_dict(overrides)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    (run / "summary.json").write_text(json.dumps({"world_size": 1, "step_seconds": seconds,
+                                                  "samples_per_second": cfg.data.batch_size / seconds}))
+    return run
+
+
+def test_refine_recovers_a_compute_scale_and_an_overhead(tmp_path):
+    hw = load_hardware("v100-10gbe")
+    small = {"model": {"name": "mlp", "hidden": 256}, "parallel": {"nproc": 1}}
+    large = {"model": {"name": "mlp", "hidden": 2048}, "parallel": {"nproc": 1}}
+    truth = []
+    for overrides in (small, large):  # a machine 3x slower than the profile, plus 2 ms per step
+        what = predictable(Config.from_dict(overrides), 1)
+        e = estimate(profile_model(what.spec), hw, what.plan, what.global_batch, what.options)
+        truth.append(e.step_s + 2 * e.breakdown["compute"] + 0.002)
+    runs = [_fake_run(tmp_path, "small", small, truth[0]), _fake_run(tmp_path, "large", large, truth[1])]
+    refined, points = refine(hw, runs)
+    assert refined.constants["step_overhead_s"] == pytest.approx(0.002, rel=1e-3)
+    for run, seconds in zip(runs, truth, strict=True):
+        what = predictable(Config.from_dict(yaml.safe_load((run / "config.yaml").read_text())), 1)
+        e = estimate(profile_model(what.spec), refined, what.plan, what.global_batch, what.options)
+        assert e.step_s == pytest.approx(seconds, rel=1e-2)  # the roofline max() may switch sides
+    assert len(points) == 2
+
+
+def test_refine_needs_finished_runs(tmp_path):
+    with pytest.raises(UserError, match="not a finished run directory"):
+        refine(load_hardware("a100-hdr"), [tmp_path])
+
+
+def test_calibrate_cli_writes_a_profile_plan_can_use(tmp_path, capsys):
+    out = tmp_path / "here.yaml"
+    assert main(["calibrate", "--out", str(out)]) == 0
+    hw = load_hardware(str(out))
+    assert hw.intra.bandwidth > 1e7 and hw.intra.latency >= 0
+    assert main(["plan", "--model", "mlp:hidden=512", "--cluster", str(out), "--nodes", "1..2",
+                 "--global-batch", "64"]) == 0
+    assert "recommended:" in capsys.readouterr().out
+    assert main(["calibrate", "--from", str(tmp_path)]) == 2  # --from needs --hardware
