@@ -55,3 +55,18 @@ def test_nothing_to_send_exposes_nothing():
     empty = [LayerTimes(1.0, 1.0, 0.0)]
     assert fifo_exposed(empty, send, 100) == wait_free_exposed(empty, send, 100, 10) == 0.0
     assert priority_exposed(empty, send, 100) == 0.0
+
+
+def test_mean_value_analysis_by_hand():
+    from paraloom.perfmodel.queueing import asp_cycle, mva_cycle
+
+    # one customer: no queueing, the cycle is the sum of the demands and the delay
+    assert mva_cycle(1, [0.7, 0.7], 0.05) == pytest.approx(1.45)
+    # two: X1 = 1/1.45, Q1 = 0.7/1.45 per station; R2 = 0.7 (1 + Q1) each; cycle = 2 R2 + 0.05
+    r2 = 0.7 * (1 + 0.7 / 1.45)
+    assert mva_cycle(2, [0.7, 0.7], 0.05) == pytest.approx(2 * r2 + 0.05)
+    # asynchronous workers land between a perfect stagger (1.45) and lock step (2 x 1.4 + 0.05)
+    cycle = asp_cycle(2, 1, 0.7, 0.7, 0.05)
+    assert 1.45 < cycle < 2.85
+    # more shards spread the servers' load: faster, never below one worker's own transfers
+    assert 1.4 < asp_cycle(2, 4, 0.7, 0.7, 0.05) < cycle

@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,35 @@ def measure_compute(threads: int = 1) -> dict[str, float]:
     return {"matmul": matmul, "conv": conv, "attention": attention, "other": other, "bandwidth": bandwidth}
 
 
+def measure_codecs(threads: int = 1, elements: int = 1 << 22) -> dict[str, float]:
+    """Seconds per fp32 gradient byte to compress and decompress, per compressor (a 16 MB tensor)."""
+    from paraloom.compress import COMPRESSORS, make_compressor
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out = {}
+    try:
+        grad = torch.randn(elements)
+        for name in sorted(COMPRESSORS):
+            codec = make_compressor(name)
+
+            def roundtrip(codec=codec):
+                payload, ctx = codec.compress(grad, 0)
+                codec.decompress(payload, ctx)
+
+            out[name] = 1.0 / _rate(roundtrip, elements * 4.0, repeats=3, min_s=0.02)
+    finally:
+        torch.set_num_threads(previous)
+    return out
+
+
+def measure_p2p(cluster=None) -> float:
+    """Bytes/s of one TCP stream between two nodes (or over loopback): point-to-point traffic."""
+    from paraloom.cluster.launch import link_throughput
+
+    return max(link_throughput(cluster, 64 << 20)) * 1e6
+
+
 def measure_link(cluster=None, nproc: int = 2) -> tuple[float, float, list[dict[str, Any]]]:
     """(alpha seconds, bandwidth bytes/s, rows) of the ring all-reduce on loopback or `cluster`."""
     from paraloom.comm.bench import run_collectives
@@ -94,21 +124,34 @@ def build_profile(compute: dict[str, float], intra: Link, inter: Link, *, name: 
 
 def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name: str = "this-machine",
               progress: Callable[[str], None] = lambda _: None) -> tuple[Hardware, dict[str, Any]]:
-    """Measure this machine; inter-node constants come from `cluster` (emulated) when given."""
+    """Measure this machine; inter-node constants come from `cluster` (emulated) when given.
+
+    The ring all-reduce's alpha and beta describe collectives (its beta includes the reduction's
+    CPU work); a single TCP stream's throughput (`p2p_bandwidth.*`) describes point-to-point
+    traffic (parameter-server push and pull, pipeline activations), which moves more per second.
+    """
     progress("compute: matmul, conv, attention, element-wise, memory bandwidth")
     compute = measure_compute(threads)
-    progress("links: ring all-reduce on loopback")
+    progress("compressors: encode and decode")
+    codecs = measure_codecs(threads)
+    progress("links: ring all-reduce and one TCP stream on loopback")
     alpha, bandwidth, loop_rows = measure_link(None, nproc=2)
     intra = Link("loopback", bandwidth, alpha)
+    p2p = {"p2p_bandwidth.intra": measure_p2p(None)}
     inter, inter_rows = intra, []
     if cluster is not None:
-        progress(f"links: ring all-reduce across {cluster.nodes} emulated nodes")
+        progress(f"links: ring all-reduce and one TCP stream across {cluster.nodes} emulated nodes")
         alpha, bandwidth, inter_rows = measure_link(cluster)
         inter = Link(f"emulated {cluster.spec.rate}", bandwidth, alpha)
+        p2p["p2p_bandwidth.inter"] = measure_p2p(cluster)
+    else:
+        p2p["p2p_bandwidth.inter"] = p2p["p2p_bandwidth.intra"]
     # every emulated node is a process on this host: they share its cores (strategies._slowdown)
     hw = build_profile(compute, intra, inter, name=name, devices_per_node=devices_per_node,
                        host_cores=(os.cpu_count() or 1) // max(1, threads))
-    return hw, {"compute": compute, "loopback_rows": loop_rows, "inter_rows": inter_rows}
+    extra = {**p2p, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
+    hw = replace(hw, constants={**hw.constants, **extra})
+    return hw, {"compute": compute, "codecs": codecs, "loopback_rows": loop_rows, "inter_rows": inter_rows}
 
 
 def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str, float]]]:
@@ -116,8 +159,6 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
 
     One run fixes a alone (c = 0); two or more give both by least squares.
     """
-    from dataclasses import replace
-
     from paraloom.perfmodel.profile import profile_model
     from paraloom.perfmodel.strategies import estimate
 

@@ -17,6 +17,7 @@ from paraloom.perfmodel.hardware import Hardware, Link
 from paraloom.perfmodel.memory import device_memory
 from paraloom.perfmodel.network import allreduce_time, group_link, p2p_time, ps_time
 from paraloom.perfmodel.profile import ModelProfile
+from paraloom.perfmodel.queueing import asp_cycle
 
 SCHEDULERS = ("fifo", "wait_free", "priority")
 SYNCS = ("sync", "one_step_delay")
@@ -156,9 +157,13 @@ def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, 
 
 
 def _slowdown(hw: Hardware, plan: Plan) -> float:
-    """Emulated clusters: every device of the plan is a process sharing `host_cores` cores of one host."""
+    """Emulated clusters: every worker of the plan is a process sharing `host_cores` cores of one host.
+
+    Parameter servers are not counted: they spend the step waiting on the network, and their
+    CPU work moving bytes is already in the measured point-to-point bandwidth.
+    """
     cores = hw.constants.get("host_cores")
-    return max(1.0, plan.devices / cores) if cores else 1.0
+    return max(1.0, plan.dp * plan.tp * plan.pp / cores) if cores else 1.0
 
 
 def _tp_comm(profile: ModelProfile, hw: Hardware, plan: Plan, samples: float) -> float:
@@ -201,7 +206,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     if profile.recompute == "full":
         bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
     stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
-    pp_link = group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.dp * plan.tp)
+    pp_link = _p2p(hw, group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.dp * plan.tp))
     stage_f, stage_b, tp_s, p2p_s = [], [], 0.0, 0.0
     for start, stop in stages:
         part = profile.slice(start, stop)
@@ -225,10 +230,18 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     update = UPDATE_BYTES.get(opts.optimizer, 28.0) * grad_bytes / 4.0 / hw.device.mem_bandwidth * slow
     if opts.shard_optimizer:
         update /= plan.dp
-    dp_exposed, dp_total, codec = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
+    dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
+    codec = _codec(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
     data = profile.input_bytes * global_batch / plan.dp / hw.device.mem_bandwidth
     overhead = hw.constants.get("step_overhead_s", 0.0) * slow
     step = pipeline + dp_exposed + codec + update + data + overhead
+    if plan.servers and plan.consistency != "bsp":  # asynchronous workers: a closed queueing network
+        link = _p2p(hw, _dp_link(hw, plan))
+        push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
+        pull = link.latency + grad_bytes / link.bandwidth
+        own = pipeline + codec + data + overhead
+        step = asp_cycle(plan.dp, plan.servers, push, pull, own)
+        dp_exposed = step - own
     straggler = 0.0
     if opts.straggler > 1 and plan.dp > 1:
         straggler = (opts.straggler - 1) * pipeline
@@ -250,19 +263,27 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
                     breakdown=breakdown)
 
 
+def _p2p(hw: Hardware, link: Link) -> Link:
+    """`link` at the calibrated single-stream bandwidth, for point-to-point traffic, if there is one."""
+    key = "p2p_bandwidth.inter" if link is hw.inter or link.name == hw.inter.name else "p2p_bandwidth.intra"
+    bandwidth = hw.constants.get(key)
+    if not bandwidth:
+        return link
+    share = link.bandwidth / (hw.inter.bandwidth if key.endswith("inter") else hw.intra.bandwidth)
+    return Link(link.name, bandwidth * share, link.latency)
+
+
 def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
-             fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float, float]:
-    """(exposed seconds, seconds on the link, encode/decode seconds) of one step's gradient sync."""
+             fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float]:
+    """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
     if plan.dp == 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     link = _dp_link(hw, plan)
     start, stop = stage
-    if plan.servers:  # pushes go out during backward, pulls come in before forward (ps.overlap)
+    if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
         push = compressed_bytes(grad_bytes, plan.compressor)
-        total = ps_time(grad_bytes, plan.dp, plan.servers, link, push_bytes=push)
-        window = sum(bwd[start:stop]) if plan.consistency == "bsp" else sum(fwd[start:stop]) * m + \
-            sum(bwd[start:stop]) * m
-        return max(0.0, total - window), total, _codec(hw, plan.compressor, grad_bytes)
+        total = ps_time(grad_bytes, plan.dp, plan.servers, _p2p(hw, link), push_bytes=push)
+        return max(0.0, total - sum(bwd[start:stop])), total
 
     def send(nbytes: float) -> float:
         if plan.compressor == "none":
@@ -282,17 +303,19 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         exposed = overlap.priority_exposed(layers, send, opts.partition_mb * 2**20)
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
-    return exposed, total, _codec(hw, plan.compressor, grad_bytes)
+    return exposed, total
 
 
 def _codec(hw: Hardware, compressor: str, grad_bytes: float) -> float:
-    """Encode plus decode seconds: `codec_passes.<name>` passes over the gradient at memory bandwidth.
-
-    The default pass counts are assumptions (fp16: read fp32, write fp16, and back: ~2; the
-    quantizers ~4; top-k selection ~8), replaced by `paraloom calibrate`'s measured constants.
-    """
+    """Encode plus decode seconds per step: measured seconds per byte (`codec_s_per_byte.<name>`,
+    from `paraloom calibrate`) or else `codec_passes.<name>` passes over the gradient at memory
+    bandwidth; the default pass counts are assumptions (fp16: read fp32, write fp16, and back: ~2;
+    the quantizers ~4; top-k selection ~8)."""
     if compressor == "none":
         return 0.0
+    measured = hw.constants.get(f"codec_s_per_byte.{compressor}")
+    if measured:
+        return measured * grad_bytes
     defaults = {"fp16": 2.0, "bf16": 2.0, "qsgd": 4.0, "onebit": 4.0, "efsign": 4.0, "topk": 8.0,
                 "randomk": 4.0, "dgc": 8.0, "powersgd": 6.0}
     passes = hw.constants.get(f"codec_passes.{compressor}", defaults.get(compressor, 4.0))
