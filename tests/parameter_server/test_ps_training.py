@@ -50,13 +50,17 @@ def test_bsp_training_equals_all_reduce_training(optim):
 
 
 def test_asp_and_ssp_reach_bsp_accuracy_within_one_point():
+    """Mean over three seeds: which stale reads happen depends on timing, and one run of 360 test
+    digits moves by about a point from that alone (seen in CI: ssp3 1.1 pt under bsp, once)."""
     accuracy = {}
     for name, sets in {"bsp": ["ps.consistency=bsp"], "asp": ["ps.consistency=asp"],
                        "ssp1": ["ps.consistency=ssp", "ps.staleness=1"],
                        "ssp3": ["ps.consistency=ssp", "ps.staleness=3"]}.items():
-        cfg = _cfg("parallel.mode=ps", "data.batch_size=64", *sets)
-        out = run_workers(_job, 5, cfg, True, timeout=180)  # 4 workers, 1 server
-        accuracy[name] = out[0]["test_accuracy"]
+        runs = []
+        for seed in (0, 1, 2):  # 4 workers, 1 server
+            cfg = _cfg("parallel.mode=ps", "data.batch_size=64", f"run.seed={seed}", *sets)
+            runs.append(run_workers(_job, 5, cfg, True, timeout=180)[0]["test_accuracy"])
+        accuracy[name] = sum(runs) / len(runs)
     for name in ("asp", "ssp1", "ssp3"):
         assert accuracy[name] >= accuracy["bsp"] - 0.01, accuracy
 
