@@ -34,6 +34,17 @@ def _parse_scalar(text: str, key: str) -> Any:
     return value
 
 
+def parse_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load (no tag constructs Python objects), a syntax error as one line naming `source`."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" (line {mark.line + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UserError(f"{source} is not valid YAML{line}: {problem}") from None
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping safely; no tag may construct Python objects."""
     path = Path(path)
@@ -45,13 +56,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"config file {str(path)!r} is a directory; give a YAML file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read config file {str(path)!r}: {exc.__class__.__name__}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise UserError(f"config file {str(path)!r} is not valid YAML{line}: {problem}") from None
+    raw = parse_yaml(text, f"config file {str(path)!r}")
     if raw is None:
         return {}
     if not isinstance(raw, dict):

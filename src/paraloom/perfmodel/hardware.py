@@ -155,14 +155,9 @@ class Hardware:
     @classmethod
     def from_yaml(cls, text: str, *, source: str = "hardware profile") -> Hardware:
         """Read a profile; device and links may be preset names, or mappings with `preset:` plus overrides."""
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f" (line {mark.line + 1})" if mark else ""
-            problem = getattr(exc, "problem", None) or "invalid YAML"
-            raise UserError(f"{source} is not valid YAML{line}: {problem}") from None
-        return _hardware(raw, source)
+        from paraloom.config_io import parse_yaml
+
+        return _hardware(parse_yaml(text, source), source)
 
 
 DEVICE_FIELDS = ("name", "peak_flops", "efficiency", "mem_bandwidth", "mem_capacity")
@@ -201,30 +196,28 @@ def link_preset(name: str) -> Link:
     return Link(name=_canonical_link(name), bandwidth=entry["bandwidth"], latency=entry["latency"])
 
 
-def _device(raw: Any, where: str) -> Device:
+def _from_preset(raw: Any, where: str, cls: type, fields: tuple[str, ...], preset, names: list[str],
+                 default_name: str):
+    """A preset's name, or a mapping of `fields` with an optional `preset:` whose values it overrides."""
     if isinstance(raw, str):
-        return device_preset(raw)
-    raw = dict(_fields(raw, ("preset", *DEVICE_FIELDS), where))
-    base = device_preset(raw.pop("preset")) if "preset" in raw else None
-    values = {k: getattr(base, k) for k in DEVICE_FIELDS} if base else {"name": "custom"}
+        return preset(raw)
+    raw = dict(_fields(raw, ("preset", *fields), where))
+    base = preset(raw.pop("preset")) if "preset" in raw else None
+    values = {k: getattr(base, k) for k in fields} if base else {"name": default_name}
     values.update(raw)
-    missing = [k for k in DEVICE_FIELDS if k not in values]
+    missing = [k for k in fields if k not in values]
     if missing:
-        raise UserError(f"{where} needs {', '.join(missing)} (or preset: {', '.join(_device_names())})")
-    return Device(**values)
+        raise UserError(f"{where} needs {', '.join(missing)} (or preset: {', '.join(names)})")
+    return cls(**values)
+
+
+def _device(raw: Any, where: str) -> Device:
+    return _from_preset(raw, where, Device, DEVICE_FIELDS, device_preset, _device_names(), "custom")
 
 
 def _link(raw: Any, where: str) -> Link:
-    if isinstance(raw, str):
-        return link_preset(raw)
-    raw = dict(_fields(raw, ("preset", *LINK_FIELDS), where))
-    base = link_preset(raw.pop("preset")) if "preset" in raw else None
-    values = {k: getattr(base, k) for k in LINK_FIELDS} if base else {"name": where.rsplit(" ", 1)[-1]}
-    values.update(raw)
-    missing = [k for k in LINK_FIELDS if k not in values]
-    if missing:
-        raise UserError(f"{where} needs {', '.join(missing)} (or preset: {', '.join(_link_entries())})")
-    return Link(**values)
+    return _from_preset(raw, where, Link, LINK_FIELDS, link_preset, list(_link_entries()),
+                        where.rsplit(" ", 1)[-1])
 
 
 def _hardware(raw: Any, source: str) -> Hardware:

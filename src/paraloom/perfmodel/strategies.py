@@ -180,10 +180,22 @@ def _tp_comm(profile: ModelProfile, hw: Hardware, plan: Plan, samples: float) ->
     return total
 
 
-def _dp_link(hw: Hardware, plan: Plan) -> Link:
-    """The data-parallel group's link; groups that cross nodes share each node's adapters."""
+def _stream(hw: Hardware, link: Link) -> Link:
+    """hw.intra or hw.inter at its calibrated single-stream rate (`p2p_bandwidth.*`), for
+    point-to-point traffic; the link as it is when there is no such constant."""
+    key = "p2p_bandwidth.inter" if link is hw.inter else "p2p_bandwidth.intra"
+    bandwidth = hw.constants.get(key)
+    return Link(link.name, bandwidth, link.latency) if bandwidth else link
+
+
+def _dp_link(hw: Hardware, plan: Plan, *, p2p: bool = False) -> Link:
+    """The data-parallel group's link (at the stream rate with `p2p`); groups that cross nodes share
+    each node's adapters."""
     link = group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
-    if link is hw.inter:
+    crosses = link is hw.inter
+    if p2p:
+        link = _stream(hw, link)
+    if crosses:
         groups_per_node = min(hw.devices_per_node, plan.tp * plan.pp)
         share = min(1.0, hw.nics_per_node / groups_per_node)
         return Link(link.name, link.bandwidth * share, link.latency)
@@ -206,7 +218,8 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     if profile.recompute == "full":
         bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
     stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
-    pp_link = _p2p(hw, group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.dp * plan.tp))
+    pp_link = _stream(hw, group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter,
+                                     stride=plan.dp * plan.tp))
     stage_f, stage_b, tp_s, p2p_s = [], [], 0.0, 0.0
     for start, stop in stages:
         part = profile.slice(start, stop)
@@ -236,7 +249,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     overhead = hw.constants.get("step_overhead_s", 0.0) * slow
     step = pipeline + dp_exposed + codec + update + data + overhead
     if plan.servers and plan.consistency != "bsp":  # asynchronous workers: a closed queueing network
-        link = _p2p(hw, _dp_link(hw, plan))
+        link = _dp_link(hw, plan, p2p=True)
         push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
         pull = link.latency + grad_bytes / link.bandwidth
         own = pipeline + codec + data + overhead
@@ -263,16 +276,6 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
                     breakdown=breakdown)
 
 
-def _p2p(hw: Hardware, link: Link) -> Link:
-    """`link` at the calibrated single-stream bandwidth, for point-to-point traffic, if there is one."""
-    key = "p2p_bandwidth.inter" if link is hw.inter or link.name == hw.inter.name else "p2p_bandwidth.intra"
-    bandwidth = hw.constants.get(key)
-    if not bandwidth:
-        return link
-    share = link.bandwidth / (hw.inter.bandwidth if key.endswith("inter") else hw.intra.bandwidth)
-    return Link(link.name, bandwidth * share, link.latency)
-
-
 def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
              fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float]:
     """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
@@ -282,7 +285,7 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     start, stop = stage
     if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
         push = compressed_bytes(grad_bytes, plan.compressor)
-        total = ps_time(grad_bytes, plan.dp, plan.servers, _p2p(hw, link), push_bytes=push)
+        total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push)
         return max(0.0, total - sum(bwd[start:stop])), total
 
     def send(nbytes: float) -> float:
