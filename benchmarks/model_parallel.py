@@ -10,8 +10,10 @@ the GPT below; the peers run the same model, batch and optimizer under torchrun
       activation bytes, peak RSS, step time and measured bubble;
   (b) 2 workers, one core each: p = 2, m = 8, paraloom gpipe and 1f1b against torch.distributed
       .pipelining's ScheduleGPipe and Schedule1F1B (alternated, `--repeats` times, medians), and
-      the bubble against theory (p-1)/(m+p-1), at the batch above and at BUBBLE_BATCH (larger
-      micro-batches: per-message latency, which theory leaves out, weighs less);
+      the bubble against theory (p-1)/(m+p-1), on the GPT above and on BUBBLE_GPT, deeper and wider,
+      with stages balanced by profiled time (theory assumes equal stages and free messages: the
+      small GPT's 3 | 3 split is uneven because the last stage holds the head, and per-message
+      latency weighs more against its small micro-batches);
       TP = 2 and 4 against DTensor's parallelize_module (part c);
   (c) learning: dp2 x pp2 (1f1b, m = 4) for `LEARN_STEPS` steps; validation loss against the
       unigram baseline of the same split.
@@ -35,7 +37,7 @@ from rich.table import Table
 GPT = {"seq_len": 64, "n_layers": 4, "d_model": 128, "n_heads": 4, "batch_size": 32}
 STEPS = 14
 LEARN_STEPS = 300
-BUBBLE_BATCH = 128
+BUBBLE_GPT = {"seq_len": 64, "n_layers": 8, "d_model": 256, "n_heads": 8, "batch_size": 64}
 ROOT = Path(__file__).resolve().parent
 
 
@@ -130,7 +132,7 @@ def plans(quick: bool) -> dict[str, tuple[str, ...]]:
 
 def pipeline_versus_torch(out: Path, gpt: dict[str, int], steps: int, m: int, repeats: int,
                           schedules: tuple[str, ...] = ("gpipe", "1f1b"),
-                          bubble_batch: int = 0) -> dict[str, Any]:
+                          bubble_gpt: dict[str, int] | None = None) -> dict[str, Any]:
     """Part (b): p = 2 on 2 workers, paraloom and torch.distributed.pipelining alternated."""
     result: dict[str, Any] = {}
     for schedule in schedules:
@@ -156,13 +158,14 @@ def pipeline_versus_torch(out: Path, gpt: dict[str, int], steps: int, m: int, re
                 "paraloom_step_s_all": ours, "torch_step_s_all": theirs,
                 "bubble_measured": bubble, "bubble_theory": theory,
                 "bubble_rel_error": abs(bubble - theory) / theory, "paraloom_runs": runs}
-        if bubble_batch:
-            big = paraloom(out, f"p2_{schedule}_batch{bubble_batch}", 2, gpt | {"batch_size": bubble_batch},
-                           steps, "parallel.pp=2", f"parallel.schedule={schedule}",
-                           f"parallel.microbatches={m}")
+        if bubble_gpt:
+            big = paraloom(out, f"p2_{schedule}_bubble", 2, bubble_gpt, steps, "parallel.pp=2",
+                           f"parallel.schedule={schedule}", f"parallel.microbatches={m}",
+                           "parallel.balance=time")
             theory = big["bubble_theory"]
-            result.setdefault(schedule, {})["large_batch"] = {
-                "batch_size": bubble_batch, "bubble_measured": big["bubble"], "bubble_theory": theory,
+            result.setdefault(schedule, {})["bubble_model"] = {
+                "gpt": bubble_gpt, "balance": "time", "partition": big["partition"],
+                "bubble_measured": big["bubble"], "bubble_theory": theory,
                 "bubble_rel_error": abs(big["bubble"] - theory) / theory,
                 "bubble_per_rank": big["bubble_per_rank"], "step_seconds": big["step_seconds"]}
     return result
@@ -185,19 +188,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "tp4_param_mem_ratio": (max(rows["tp4"]["param_bytes_per_rank"]) / full_param_bytes(report["gpt"])
                                 if "tp4" in rows else None),
-        "bubble_rel_error": None,  # the headline: 1f1b at the larger batch where there is one
+        "bubble_rel_error": None,  # the headline: 1f1b on the bubble model where there is one
         "pp_vs_torch_pipelining": max((v["ratio"] for v in pipe.values() if "ratio" in v), default=None),
         "pp_vs_torch_pipelining_by_schedule": {k: v.get("ratio") for k, v in pipe.items()},
     }
     by_run = {}
     for schedule, result in pipe.items():
         by_run[schedule] = result.get("bubble_rel_error")
-        large = result.get("large_batch")
-        if large:
-            by_run[f"{schedule}_batch{large['batch_size']}"] = large["bubble_rel_error"]
+        bubble = result.get("bubble_model")
+        if bubble:
+            by_run[f"{schedule}_bubble_model"] = bubble["bubble_rel_error"]
     summary["bubble_rel_error_by_run"] = by_run
     onef = pipe.get("1f1b", {})
-    summary["bubble_rel_error"] = onef.get("large_batch", onef).get("bubble_rel_error")
+    summary["bubble_rel_error"] = onef.get("bubble_model", onef).get("bubble_rel_error")
     gpipe8, onef8 = rows.get("pp4_gpipe_m8"), rows.get("pp4_1f1b_m8")
     if gpipe8 and onef8:
         summary["p4_m8_activation_1f1b_over_gpipe_stage0"] = (
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if "b" in args.parts:
             schedules = ("1f1b",) if args.quick else ("gpipe", "1f1b")
             report["pipeline_vs_torch"] = pipeline_versus_torch(out, gpt, steps, m, repeats, schedules,
-                                                                0 if args.quick else BUBBLE_BATCH)
+                                                                None if args.quick else BUBBLE_GPT)
         if "c" in args.parts:
             report["tensor_vs_dtensor"] = {f"tp{tp}": tensor_versus_dtensor(out, gpt, steps, tp)
                                            for tp in ((2,) if args.quick else (2, 4))}

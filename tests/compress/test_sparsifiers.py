@@ -160,7 +160,10 @@ def test_dgc_with_momentum_sends_every_coordinate_eventually():
 def test_dgc_warmup_density_schedule():
     comp = DGCCompressor(density=0.001, warmup_steps=4)
     assert [comp.density_at(s) for s in range(6)] == [0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001]
-    assert DGCCompressor(density=0.1, warmup_steps=4).density_at(2) == 0.1  # never below the target
+    assert [DGCCompressor(density=0.1, warmup_steps=4).density_at(s) for s in range(5)] == [0.25] * 4 + [0.1]
+    spread = DGCCompressor(density=0.001, warmup_steps=40)  # four stages of ten calls each
+    assert [spread.density_at(s) for s in (0, 9, 10, 29, 30, 39, 40)] == [
+        0.25, 0.25, 0.0625, 0.015625, 0.00390625, 0.00390625, 0.001]
     assert DGCCompressor(density=0.01).density_at(0) == 0.01
     g = torch.randn(1000, generator=_gen(5))
     sizes = [comp.compress(g, key=1)[0].numel() for _ in range(6)]

@@ -1,7 +1,7 @@
 """Time-to-accuracy benchmark of gradient compressors against torch DDP, in one process group.
 
 Every variant trains the same model (same seed, same initial weights) on the same digits shards
-in the same order, with Adam, for `epochs` epochs; variants take turns in one process group.
+in the same order, with Adam or momentum SGD, for `epochs` epochs; variants take turns in one process group.
 Per epoch, the training steps alone are timed (barrier before, `finish()` after, the slowest
 rank's time kept); test accuracy is evaluated after every epoch, outside the timed span.
 Time to accuracy (TTA) is the training time summed up to the end of the first epoch whose test
@@ -24,16 +24,43 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-COMPRESSORS = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc")
-VARIANTS = ("ddp", "ddp_fp16", "wait_free", *COMPRESSORS, "topk_0.001", "dgc_0.001")
-# name -> (compressor, options); DGC runs without momentum correction under Adam (trainer.dgc_options)
+COMPRESSORS = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc", "powersgd")
+VARIANTS = ("ddp", "ddp_fp16", "wait_free", *COMPRESSORS, "powersgd_4", "topk_0.001", "dgc_0.001")
+# name -> (compressor, options); DGC's momentum is set by `dgc_momentum` (it depends on the optimizer)
 ENGINE_VARIANTS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "wait_free": (None, {}),
     **{name: (name, {}) for name in COMPRESSORS},
-    "dgc": ("dgc", {"momentum": 0.0}),
+    "powersgd_4": ("powersgd", {"rank": 4, "start_iter": 2}),  # rank 4, compressed from the third step
     "topk_0.001": ("topk", {"density": 0.001}),
-    "dgc_0.001": ("dgc", {"momentum": 0.0, "density": 0.001}),
+    # the paper's four warm-up densities, one step each (one epoch each would cost the wire ratio:
+    # 25% density is 8 * 0.25 = 2 bytes per element, half of fp32)
+    "dgc_0.001": ("dgc", {"density": 0.001, "warmup_steps": 4}),
 }
+MOMENTUM = 0.9  # of momentum SGD (optimizer="sgd")
+
+
+def dgc_momentum(optimizer: str) -> float:
+    """DGC's momentum correction replaces momentum SGD's own momentum (Lin et al. 2018); under Adam,
+    which keeps its own moments, DGC runs without it (sampled top-k with error feedback)."""
+    return MOMENTUM if optimizer == "sgd" else 0.0
+
+
+def engine_variant(variant: str, optimizer: str) -> tuple[str | None, dict[str, Any]]:
+    name, options = ENGINE_VARIANTS[variant]
+    if name == "dgc":
+        options = {**options, "momentum": dgc_momentum(optimizer)}
+    return name, options
+
+
+def bench_optimizer(params, optimizer: str, lr: float, dgc: bool = False):
+    """Adam, or momentum SGD (without momentum when DGC's momentum correction takes its place)."""
+    import torch
+
+    if optimizer == "sgd":  # fused: one kernel over all parameters, the same for every variant
+        return torch.optim.SGD(params, lr=lr, momentum=0.0 if dgc else MOMENTUM, fused=True)
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    raise ValueError(f"optimizer {optimizer!r}: choose adam or sgd")
 CODEC_REPEATS = 3
 
 
@@ -52,11 +79,14 @@ def _max(value: float) -> float:
     return float(tensor)
 
 
-def codec_seconds(variant: str, pieces: list, world: int) -> float:
-    """Encode+decode seconds of one step's worth of pieces (see the module docstring)."""
+def codec_seconds(variant: str, pieces: list, world: int, matrices: list | None = None,
+                  optimizer: str = "adam") -> float:
+    """Encode+decode seconds of one step's worth of pieces (see the module docstring); PowerSGD's
+    are its products and orthogonalizations on `matrices` (the gradients it compresses)."""
     import torch
 
     from paraloom.compress import make_compressor
+    from paraloom.compress.powersgd import PowerSGDState
     from paraloom.data_parallel.compressed import decode_sum
 
     if variant == "ddp":
@@ -65,8 +95,15 @@ def codec_seconds(variant: str, pieces: list, world: int) -> float:
         def once() -> None:
             for piece in pieces:
                 piece.to(torch.float16).div_(world).to(torch.float32)
+    elif variant.startswith("powersgd"):
+        state = PowerSGDState(start_iter=0, **ENGINE_VARIANTS[variant][1])
+        chosen = [m for m in matrices or [] if state.should_compress(m.shape)]
+
+        def once() -> None:  # P = MQ, orth(P), Q = M^T P, P Q^T: the all-reduced sums stand in
+            for key, m in enumerate(chosen):
+                state.decompress(key, state.q_matrices(key, state.p_matrices(key, m)))
     else:
-        name, options = ENGINE_VARIANTS[variant]
+        name, options = engine_variant(variant, optimizer)
         if name is None:
             return 0.0
         compressor = make_compressor(name, **options)
@@ -112,7 +149,8 @@ def measure(options: dict[str, Any]) -> None:
     # the two sides of a step: computation alone, one fp32 all-reduce of all gradients
     torch.manual_seed(0)
     bare = _model(hidden, depth)
-    bare_optimizer = torch.optim.Adam(bare.parameters(), lr=options["lr"])
+    optimizer_name = options.get("optimizer", "adam")
+    bare_optimizer = bench_optimizer(bare.parameters(), optimizer_name, options["lr"])
     n_params = sum(p.numel() for p in bare.parameters())
     first = next(iter(batches.epoch(0)))
     x0, y0, count0 = split.x_train[first[0]], split.y_train[first[0]], first[1]
@@ -138,6 +176,7 @@ def measure(options: dict[str, Any]) -> None:
     bare_optimizer.zero_grad(set_to_none=False)
     batch_loss(bare, x0, y0, global_count=count0, dp_world_size=world)[0].backward()
     gradient = torch.cat([p.grad.reshape(-1) for p in bare.parameters()][::-1])
+    matrices = [p.grad.clone() for p in bare.parameters() if p.dim() >= 2]
 
     results: dict[str, Any] = {}
     for variant in options["variants"]:
@@ -149,16 +188,22 @@ def measure(options: dict[str, Any]) -> None:
             if variant == "ddp_fp16":
                 engine.register_comm_hook(None, fp16_compress_hook)
         else:
-            name, compressor_options = ENGINE_VARIANTS[variant]
+            name, compressor_options = engine_variant(variant, optimizer_name)
             engine = DataParallel(model, bucket_mb=options["bucket_mb"], scheduler="wait_free",
                                   compressor=name, compressor_options=compressor_options)
             engine.stats.take()  # the initial broadcast is not a step's traffic
-        optimizer = torch.optim.Adam(model.parameters(), lr=options["lr"])
-        train_s, steps, accs, tta = 0.0, 0, [], None
+        optimizer = bench_optimizer(model.parameters(), optimizer_name, options["lr"],
+                                    dgc=not is_ddp and ENGINE_VARIANTS[variant][0] == "dgc")
+        per_epoch = sum(1 for _ in batches.epoch(0))
+        schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * per_epoch)
+                    if options.get("cosine") else None)
+        evals = min(per_epoch, max(1, int(options.get("evals_per_epoch", 1))))
+        marks = {round(per_epoch * (j + 1) / evals) for j in range(evals)}  # batches after which to test
+        train_s, steps, accs, curve, tta, tta_steps = 0.0, 0, [], [], None, None
         for epoch in range(epochs):
             dist.barrier()
             start = time.perf_counter()
-            for idx, count in batches.epoch(epoch):
+            for b, (idx, count) in enumerate(batches.epoch(epoch), 1):
                 loss = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
                                   dp_world_size=world)[0]
                 if is_ddp:
@@ -168,13 +213,21 @@ def measure(options: dict[str, Any]) -> None:
                 else:
                     loss.backward()
                     engine.step(optimizer)
+                if schedule is not None:
+                    schedule.step()
                 steps += 1
-            if not is_ddp:
-                engine.finish()
-            train_s += _max(time.perf_counter() - start)
-            accs.append(evaluate(model, split, groups))
-            if tta is None and accs[-1] >= options["target"]:
-                tta = train_s
+                if b not in marks:
+                    continue
+                if not is_ddp:
+                    engine.finish()
+                train_s += _max(time.perf_counter() - start)
+                acc = evaluate(model, split, groups)  # outside the timed span
+                curve.append([steps, train_s, acc])
+                if tta is None and acc >= options["target"]:
+                    tta, tta_steps = train_s, steps
+                dist.barrier()
+                start = time.perf_counter()
+            accs.append(curve[-1][2])
         if is_ddp:
             wire = (4 if variant == "ddp" else 2) * n_params
             sizes = [n_params]  # DDP's buckets differ, but the casts cost the same per element
@@ -183,12 +236,12 @@ def measure(options: dict[str, Any]) -> None:
             sizes = [bucket.buffer.numel() for bucket in engine.buckets]
             engine.close()
         pieces = list(gradient.split(sizes)) if sum(sizes) == n_params else [gradient]
-        codec_s = _max(codec_seconds(variant, pieces, world))
+        codec_s = _max(codec_seconds(variant, pieces, world, matrices, optimizer_name))
         results[variant] = {"train_s": train_s, "steps": steps, "step_s": train_s / steps,
                             "wire_bytes_per_step": wire, "wire_ratio": 4 * n_params / wire,
-                            "accuracy": accs, "final_accuracy": accs[-1], "tta_s": tta,
-                            "tta_epoch": next((i + 1 for i, a in enumerate(accs) if a >= options["target"]),
-                                              None),
+                            "accuracy": accs, "final_accuracy": accs[-1], "curve": curve, "tta_s": tta,
+                            "tta_steps": tta_steps,
+                            "tta_epochs": None if tta_steps is None else tta_steps / per_epoch,
                             "codec_s_per_step": codec_s}
         del engine, model, optimizer
     if rank == 0:
@@ -199,7 +252,8 @@ def measure(options: dict[str, Any]) -> None:
 
 
 def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, batch: int = 128,
-        epochs: int = 10, lr: float = 1e-3, target: float = 0.93, bucket_mb: float = 25.0,
+        epochs: int = 10, lr: float = 1e-3, optimizer: str = "adam", cosine: bool = False,
+        evals_per_epoch: int = 1, target: float = 0.93, bucket_mb: float = 25.0,
         variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Launch `measure` on `cluster` (one worker per node) or on `nproc` loopback workers."""
     import tempfile
@@ -212,6 +266,7 @@ def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, bat
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     with tempfile.TemporaryDirectory(prefix="paraloom-cmpbench-") as tmp:
         options = {"hidden": hidden, "depth": depth, "batch": batch, "epochs": epochs, "lr": lr,
+                   "optimizer": optimizer, "cosine": cosine, "evals_per_epoch": evals_per_epoch,
                    "target": target, "bucket_mb": bucket_mb, "variants": list(variants),
                    "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo"}
         if cluster is not None:

@@ -199,7 +199,7 @@ class CompressionHookState:
             ps = self._all_reduce_list([state.p_matrices(k, g) for k, g in packed])
             qs = self._all_reduce_list([state.q_matrices(k, p) for (k, _), p in zip(packed, ps, strict=True)])
             for (k, g), q in zip(packed, qs, strict=True):
-                g.copy_(state.decompress(k, q, g.shape))
+                state.decompress(k, q, out=g)
             return buffer.div_(self.world_size)
         return job
 

@@ -29,8 +29,8 @@ class DGCCompressor:
     velocity, not the gradient, is accumulated and sparsified — the optimizer should then run
     without its own momentum); the top-k threshold is estimated from a random sample of |v|;
     momentum factor masking (u and v are zeroed where sent). With momentum=0 this is top-k with
-    error feedback. Exponential sparsity warm-up: during the first `warmup_steps` calls per bucket
-    the density is 25%, 6.25%, 1.5625%, ... (never below the target), then the target.
+    error feedback. Exponential sparsity warm-up: the first `warmup_steps` calls per bucket step
+    through the densities 25%, 6.25%, 1.5625%, ... above the target (see `density_at`), then the target.
 
     Payloads are fixed-size (8k bytes for the current density: k fp32 values then k int32 indices,
     padded with value 0 at index 0) and all-gathered (not summable). k depends on the tensor size
@@ -61,9 +61,12 @@ class DGCCompressor:
         self.calls: dict[int, int] = {}
 
     def density_at(self, step: int) -> float:
-        """Density of call `step` (0-based): 0.25 ** (step + 1) during warm-up, floored at the target."""
+        """Density of call `step` (0-based). During warm-up the densities 25%, 6.25%, 1.5625%, ... that
+        lie above the target take equal shares of the `warmup_steps` calls (Lin et al. 2018 give each
+        an epoch); with as many warm-up steps as stages, call s has 0.25 ** (s + 1). Then the target."""
         if step < self.warmup_steps:
-            return max(self.density, 0.25 ** (step + 1))
+            stages = max(1, math.ceil(math.log(self.density) / math.log(0.25)) - 1)
+            return max(self.density, 0.25 ** (1 + step * stages // self.warmup_steps))
         return self.density
 
     def payload_bytes(self, n: int, step: int | None = None) -> int:

@@ -66,6 +66,7 @@ class PowerSGDState:
         self._m: dict[int, torch.Tensor] = {}  # this step's error-corrected matrix, between the calls
         self._p: dict[int, torch.Tensor] = {}  # this step's orthogonalized P^
         self._q: dict[int, torch.Tensor] = {}  # this step's local Q = M^T P^
+        self._owned: set[int] = set()  # keys whose M is the error memory itself (rewritten in place)
 
     def next_iteration(self) -> None:
         self.iteration += 1
@@ -98,29 +99,52 @@ class PowerSGDState:
         return orthogonalize(torch.randn(cols, r, generator=generator)).to(device)
 
     def p_matrices(self, key: int, grad: torch.Tensor) -> torch.Tensor:
-        """P = M Q with M = grad (as rows x cols) + error memory; all-reduce (sum) the result."""
+        """P = M Q with M = grad (as rows x cols) + error memory; all-reduce (sum) the result.
+
+        The error memory, when there is one, becomes M in place (it is rewritten in `decompress`)."""
         m = matrix_view(grad.detach()).to(torch.float32)
-        if self.error_feedback and key in self.errors:
-            m = m + self.errors[key]
+        kept = self.errors.pop(key, None) if self.error_feedback else None
+        if kept is not None and kept.shape == m.shape:
+            m = kept.add_(m)
+            self._owned.add(key)
         self._m[key] = m
         q = self._initial_q(key, m.shape[1], self.rank_for(grad.shape), m.device)
-        return m @ q
+        return (q.T @ m.T).T  # = M Q; this order runs a fast kernel on CPU (M.T @ P is ~20x slower)
 
     def q_matrices(self, key: int, p_summed: torch.Tensor) -> torch.Tensor:
         """Q = M^T orth(P_summed); all-reduce (sum) the result."""
         p = orthogonalize(p_summed.to(torch.float32))
-        q = self._m[key].T @ p
+        q = (p.T @ self._m[key]).T  # = M^T P^, without a transposed matrix times a thin one
         self._p[key], self._q[key] = p, q
         return q
 
-    def decompress(self, key: int, q_summed: torch.Tensor, shape: torch.Size | None = None) -> torch.Tensor:
-        """P^ Q_summed^T (the sum of all ranks' approximations), shaped like the gradient when `shape`
-        is given; updates the error memory and, with warm start, keeps Q_summed for the next step."""
+    def decompress(self, key: int, q_summed: torch.Tensor, shape: torch.Size | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """P^ Q_summed^T (the sum of all ranks' approximations), written into `out` (rows x cols, or
+        any view of that many elements) or shaped like the gradient when `shape` is given; updates
+        the error memory and, with warm start, keeps Q_summed for the next step."""
         m, p, q_local = self._m.pop(key), self._p.pop(key), self._q.pop(key)
+        owned = key in self._owned
+        self._owned.discard(key)
         q_summed = q_summed.to(torch.float32)
+        p_rows = p.T.contiguous()  # rank-1 updates of contiguous rows: the fast kernel for small r
         if self.error_feedback:
-            self.errors[key] = m - p @ q_local.T
+            error = m if owned else m.clone()  # m may be a view of the caller's gradient
+            for j, row in enumerate(q_local.T.contiguous()):
+                error.addr_(p_rows[j], row, alpha=-1.0)
+            self.errors[key] = error
         if self.warm_start:
             self.q_memory[key] = q_summed.clone()
-        approx = p @ q_summed.T
+        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+        approx = out.view(p.shape[0], -1) if direct else torch.empty(p.shape[0], q_summed.shape[0],
+                                                                      device=p.device)
+        for j, row in enumerate(q_summed.T.contiguous()):
+            if j == 0:
+                torch.outer(p_rows[0], row, out=approx)
+            else:
+                approx.addr_(p_rows[j], row)
+        if out is not None:
+            if not direct:
+                out.copy_(approx.view_as(out))
+            return out
         return approx if shape is None else approx.view(shape)

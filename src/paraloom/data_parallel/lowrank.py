@@ -131,7 +131,7 @@ class _Pending:
             cols = (s.stop - s.start) // s.rows
             q_summed = second[offset: offset + cols * r].view(cols, r)
             offset += cols * r
-            grad[s.start: s.stop].copy_(state.decompress(key, q_summed).reshape(-1))
+            state.decompress(key, q_summed, out=grad[s.start: s.stop])
         offset = 0
         for view in self.plain:  # the summed plain values back into their places
             view.copy_(first[offset: offset + view.numel()])
