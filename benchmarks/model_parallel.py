@@ -13,7 +13,9 @@ the GPT below; the peers run the same model, batch and optimizer under torchrun
       the bubble against theory (p-1)/(m+p-1), on the GPT above and on BUBBLE_GPT, deeper and wider,
       with stages balanced by profiled time (theory assumes equal stages and free messages: the
       small GPT's 3 | 3 split is uneven because the last stage holds the head, and per-message
-      latency weighs more against its small micro-batches);
+      latency weighs more against its small micro-batches). On BUBBLE_GPT the headline is the
+      bottleneck stage's idle share (fill and drain); the mean over stages, which adds the other
+      stage's load imbalance, is reported beside it;
       TP = 2 and 4 against DTensor's parallelize_module (part c);
   (c) learning: dp2 x pp2 (1f1b, m = 4) for `LEARN_STEPS` steps; validation loss against the
       unigram baseline of the same split.
@@ -165,8 +167,10 @@ def pipeline_versus_torch(out: Path, gpt: dict[str, int], steps: int, m: int, re
             theory = big["bubble_theory"]
             result.setdefault(schedule, {})["bubble_model"] = {
                 "gpt": bubble_gpt, "balance": "time", "partition": big["partition"],
-                "bubble_measured": big["bubble"], "bubble_theory": theory,
-                "bubble_rel_error": abs(big["bubble"] - theory) / theory,
+                "bubble_measured": big["bubble_bottleneck"], "bubble_theory": theory,
+                "bubble_rel_error": abs(big["bubble_bottleneck"] - theory) / theory,
+                "bubble_mean_over_stages": big["bubble"],
+                "bubble_mean_rel_error": abs(big["bubble"] - theory) / theory,
                 "bubble_per_rank": big["bubble_per_rank"], "step_seconds": big["step_seconds"]}
     return result
 

@@ -312,6 +312,8 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for b, s in per_rank[:, 1:3].tolist()],
         # the whole pipeline's: idle share of all ranks' time over the slowest rank's schedule time
         "bubble": 1 - float(per_rank[:, 1].mean() / per_rank[:, 2].max()) if step > 0 else 0.0,
+        # the bottleneck stage's (most compute): fill and drain, without the others' load imbalance
+        "bubble_bottleneck": 1 - float(per_rank[:, 1].max() / per_rank[:, 2].max()) if step > 0 else 0.0,
         "bubble_theory": bubble_fraction(pp, m) if pp > 1 else 0.0,
         "param_bytes_per_rank": [int(b) for b in per_rank[:, 3].tolist()],
         "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 4].tolist()],
