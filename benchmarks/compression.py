@@ -46,7 +46,8 @@ MODEL = {"hidden": 2048, "depth": 3, "batch": 32, "lr": 0.03, "optimizer": "sgd"
 TARGET = 0.93  # DDP on this model first reaches it after ~2.2 of 10 epochs
 EPOCHS = 10
 QUICK = {"hidden": 256, "epochs": 2, "evals_per_epoch": 2,
-         "variants": ("ddp", "ddp_fp16", "wait_free", "fp16", "qsgd", "powersgd", "topk_0.001", "dgc_0.001")}
+         "variants": ("ddp", "ddp_fp16", "wait_free", "fp16", "qsgd", "powersgd", "powersgd_4", "topk_0.001",
+                      "dgc_0.001")}
 ROWS = {"1gbit": 10**9, "10gbit": 10**10}
 SLOW_CODECS = ("qsgd", "onebit", "efsign", "randomk")
 SPARSE = ("topk_0.001", "dgc_0.001")

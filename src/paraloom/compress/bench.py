@@ -96,7 +96,7 @@ def codec_seconds(variant: str, pieces: list, world: int, matrices: list | None 
             for piece in pieces:
                 piece.to(torch.float16).div_(world).to(torch.float32)
     elif variant.startswith("powersgd"):
-        state = PowerSGDState(start_iter=0, **ENGINE_VARIANTS[variant][1])
+        state = PowerSGDState(**{**ENGINE_VARIANTS[variant][1], "start_iter": 0})
         chosen = [m for m in matrices or [] if state.should_compress(m.shape)]
 
         def once() -> None:  # P = MQ, orth(P), Q = M^T P, P Q^T: the all-reduced sums stand in
@@ -244,10 +244,10 @@ def measure(options: dict[str, Any]) -> None:
                             "tta_epochs": None if tta_steps is None else tta_steps / per_epoch,
                             "codec_s_per_step": codec_s}
         del engine, model, optimizer
-    if rank == 0:
-        Path(options["results_path"]).write_text(json.dumps(
-            {"world_size": world, "params": n_params, "compute_s": compute_s, "allreduce_s": allreduce_s,
-             "variants": results}))
+        if rank == 0:  # after every variant: a run that fails later keeps what it measured
+            Path(options["results_path"]).write_text(json.dumps(
+                {"world_size": world, "params": n_params, "compute_s": compute_s,
+                 "allreduce_s": allreduce_s, "variants": results}))
     dist.destroy_process_group()
 
 
@@ -269,12 +269,19 @@ def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, bat
                    "optimizer": optimizer, "cosine": cosine, "evals_per_epoch": evals_per_epoch,
                    "target": target, "bucket_mb": bucket_mb, "variants": list(variants),
                    "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo"}
-        if cluster is not None:
-            torchrun_on_cluster(cluster, ["paraloom.compress.bench", "--options", json.dumps(options)],
-                                log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
+        results = Path(options["results_path"])
+        try:
+            if cluster is not None:
+                torchrun_on_cluster(cluster, ["paraloom.compress.bench", "--options", json.dumps(options)],
+                                    log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
+            else:
+                elastic_run(measure, (options,), nproc=nproc)
+        except Exception as error:  # keep the variants measured before the failure
+            if not results.exists():
+                raise
+            out = {**json.loads(results.read_text()), "error": f"{type(error).__name__}: {error}"}
         else:
-            elastic_run(measure, (options,), nproc=nproc)
-        out = json.loads(Path(options["results_path"]).read_text())
+            out = json.loads(results.read_text())
     out["recipe"] = {k: v for k, v in options.items() if k not in ("results_path", "interface")}
     return out
 
