@@ -17,7 +17,8 @@ def test_every_variant_times_its_codec(variant):
 
 
 def test_dgc_takes_the_optimizers_momentum_only_under_sgd():
-    assert engine_variant("dgc_0.001", "sgd") == ("dgc", {"density": 0.001, "warmup_steps": 4, "momentum": 0.9})
+    expected = ("dgc", {"density": 0.001, "warmup_steps": 4, "momentum": 0.9})
+    assert engine_variant("dgc_0.001", "sgd") == expected
     assert engine_variant("dgc", "adam")[1]["momentum"] == 0.0 == dgc_momentum("adam")
     params = [torch.nn.Parameter(torch.zeros(3))]
     assert bench_optimizer(params, "sgd", 0.1, dgc=True).param_groups[0]["momentum"] == 0.0
