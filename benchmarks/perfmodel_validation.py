@@ -3,7 +3,8 @@
     python benchmarks/perfmodel_validation.py [--quick] --json OUT        (needs root)
 
 1. Calibrate: this machine's compute constants and, per link rate, the ring all-reduce's alpha
-   and beta across a 2-node emulated cluster (`paraloom.perfmodel.calibrate`); then refine the
+   and beta across a 2-node emulated cluster, and per wire dtype (fp32, fp16, bf16) across a 2-
+   and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.calibrate`); then refine the
    compute scale and per-step overhead from two single-worker runs (MLP and GPT on one thread),
    which are not among the validated configurations.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -105,8 +107,12 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
                        train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread)]
         for rate in sorted({c["rate"] for c in configs}):
             console.print(f"calibrating: compute and links at {rate}")
-            with EmulatedCluster(ClusterSpec(2, parse_rate(rate), "pmv")) as cluster:
-                hw, _ = calibrate(cluster=cluster, name=f"this-machine-{rate}")
+            sizes = sorted({c["workers"] for c in configs if c["rate"] == rate} - {2})
+            with contextlib.ExitStack() as stack:
+                cluster = stack.enter_context(EmulatedCluster(ClusterSpec(2, parse_rate(rate), "pmv")))
+                groups = [stack.enter_context(EmulatedCluster(ClusterSpec(n, parse_rate(rate), f"pmv{n}")))
+                          for n in sizes]  # the all-reduce at every group size the plans use
+                hw, _ = calibrate(cluster=cluster, group_clusters=groups, name=f"this-machine-{rate}")
             hw, points = refine(hw, refine_runs)
             report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points}
         for i, c in enumerate(configs):

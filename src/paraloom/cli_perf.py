@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -52,6 +53,9 @@ def calibrate(
     from_: Annotated[list[Path] | None, typer.Option(
         "--from", metavar="RUN_DIR", help="refine --hardware from measured runs (repeatable)")] = None,
     hardware: Annotated[str | None, typer.Option(help="the profile --from refines (preset or YAML)")] = None,
+    group_sizes: Annotated[str | None, typer.Option(
+        metavar="N,N", help="with an emulated cluster, also measure the all-reduce among N emulated nodes "
+                            "at the same rate, e.g. 4,8 (plans with N data-parallel workers use it)")] = None,
 ) -> None:
     """Measure this machine into a hardware profile for `paraloom plan`, or refine one from runs."""
     from paraloom.perfmodel import calibrate as cal
@@ -72,8 +76,13 @@ def calibrate(
             raise UserError("--threads and --devices-per-node must be at least 1")
         from paraloom.cli import _cluster_from_options
 
-        with _cluster_from_options(cluster, emulate) as nodes:
+        sizes = _group_sizes(group_sizes)
+        if sizes and cluster is None and emulate is None:
+            raise UserError("--group-sizes measures emulated clusters: give --emulate NODESxRATE too")
+        with _cluster_from_options(cluster, emulate) as nodes, contextlib.ExitStack() as stack:
+            groups = [stack.enter_context(_emulated_like(nodes, n)) for n in sizes if n != nodes.nodes]
             hw, _ = cal.calibrate(cluster=nodes, devices_per_node=devices_per_node, threads=threads,
+                                  group_clusters=groups,
                                   progress=lambda text: console.print(f"measuring {text}"))
     out.write_text(hw.to_yaml())
     d = hw.device
@@ -81,3 +90,24 @@ def calibrate(
                   f"memory {d.mem_bandwidth / 1e9:.1f} GB/s, "
                   f"intra {hw.intra.bandwidth / 1e6:.0f} MB/s + {hw.intra.latency * 1e6:.0f} us, "
                   f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us -> {out}")
+
+
+def _group_sizes(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        sizes = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise UserError(f"--group-sizes {text!r} must be node counts separated by commas, e.g. 4,8") from None
+    if sizes[0] < 2:
+        raise UserError(f"--group-sizes {text!r}: a group has at least 2 nodes")
+    return sizes
+
+
+def _emulated_like(cluster, nodes: int):
+    """A new emulated cluster of `nodes` nodes at `cluster`'s link rate."""
+    from paraloom.cluster import ClusterSpec, EmulatedCluster, list_clusters
+
+    existing = list_clusters()
+    name = next(f"cal{i}" for i in range(1000) if f"cal{i}" not in existing)
+    return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=cluster.spec.rate_bits, name=name))

@@ -76,3 +76,34 @@ def test_calibrate_cli_writes_a_profile_plan_can_use(tmp_path, capsys):
                  "--global-batch", "64"]) == 0
     assert "recommended:" in capsys.readouterr().out
     assert main(["calibrate", "--from", str(tmp_path)]) == 2  # --from needs --hardware
+
+
+class _Nodes:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+
+def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(monkeypatch):
+    from paraloom.perfmodel import calibrate as cal
+
+    calls = []
+
+    def fake_link(cluster, nproc=2, dtype="float32", algorithm="ring"):
+        calls.append((cluster.nodes, dtype, algorithm))
+        return 1e-4 * cluster.nodes, 1e8 / cluster.nodes / (2 if dtype != "float32" else 1), []
+
+    monkeypatch.setattr(cal, "measure_link", fake_link)
+    out = cal.measure_groups([_Nodes(2), _Nodes(4)])
+    assert calls == [(n, d, "native") for n in (2, 4) for d in ("float32", "float16", "bfloat16")]
+    assert out["allreduce.n2.float32.native.bandwidth"] == 5e7
+    assert out["allreduce.n4.float16.native.bandwidth"] == 1.25e7
+    assert out["allreduce.n4.bfloat16.native.latency"] == 4e-4
+    assert len(out) == 2 * 2 * 3
+
+
+@pytest.mark.parametrize("sizes, message", [("4,x", "node counts separated by commas"),
+                                            ("1", "at least 2 nodes"),
+                                            ("4", "give --emulate")])
+def test_calibrate_group_sizes_are_checked(tmp_path, capsys, sizes, message):
+    assert main(["calibrate", "--out", str(tmp_path / "h.yaml"), "--group-sizes", sizes]) == 2
+    assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ from paraloom.perfmodel.network import (
     allreduce_time,
     broadcast_time,
     fit_alpha_beta,
+    fit_sustained_bandwidth,
     group_link,
     hierarchical_allreduce_time,
     p2p_time,
@@ -194,3 +195,16 @@ def test_fit_rejects_what_it_cannot_fit():
         fit_alpha_beta([1e3, 1e6], [0.02, 0.01], 4)
     with pytest.raises(UserError, match="2 sizes but 1 times"):
         fit_alpha_beta([1e3, 1e6], [0.02], 4)
+
+
+def test_sustained_fit_ignores_the_burst_that_speeds_up_short_transfers():
+    truth = Link("true", 1.2e8, 1.5e-3)
+    burst = Link("burst", 6e8, 1.5e-3)  # a token bucket lets transfers under 1 MiB through 5x faster
+    times = [allreduce_time(s, 4, burst if s < 2**20 else truth) for s in SIZES]
+    _, whole = fit_alpha_beta(SIZES, times, 4)
+    assert whole > 1.01 * 1.2e8  # the whole sweep overstates the sustained rate
+    assert fit_sustained_bandwidth(SIZES, times, 4, 1.5e-3) == pytest.approx(1.2e8, rel=1e-9)
+    with pytest.raises(UserError, match="no all-reduce of 1 MiB or more"):
+        fit_sustained_bandwidth(SIZES[:3], times[:3], 4, 1.5e-3)
+    with pytest.raises(UserError, match="no longer than the latency"):
+        fit_sustained_bandwidth([2**20], [1e-3], 4, 1e-3)

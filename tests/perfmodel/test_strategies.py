@@ -82,6 +82,26 @@ def test_emulated_devices_share_the_host_cores():
     assert shared.breakdown["compute"] == pytest.approx(2 * alone.breakdown["compute"])
 
 
+def test_an_all_reduce_measured_at_the_groups_size_and_wire_dtype_replaces_the_inter_link():
+    grad = 4 * 1000 * 4.0
+    measured = {"allreduce.n4.float32.native.bandwidth": 5e5, "allreduce.n4.float32.native.latency": 1e-3,
+                "allreduce.n4.float16.native.bandwidth": 2.5e5, "allreduce.n4.float16.native.latency": 2e-3}
+    hw = hardware(**measured)
+    at_four = Link("n4", 5e5, 1e-3)
+    e = estimate(model(), hw, Plan(dp=4, scheduler="fifo", algorithm="native"), 40)
+    assert e.breakdown["dp_comm_exposed"] == pytest.approx(allreduce_time(grad, 4, at_four, "native"))
+    fp16 = estimate(model(), hw, Plan(dp=4, scheduler="fifo", compressor="fp16", algorithm="native"), 40)
+    # half the bytes at half the bandwidth (gloo sums fp16 slower), twice the latency
+    assert fp16.breakdown["dp_comm_exposed"] == pytest.approx(
+        allreduce_time(grad / 2, 4, Link("n4 fp16", 2.5e5, 2e-3), "native"))
+    unmeasured = (Plan(dp=2, scheduler="fifo", algorithm="native"),  # another group size
+                  Plan(dp=4, scheduler="fifo", compressor="bf16", algorithm="native"),  # another dtype
+                  Plan(dp=4, scheduler="fifo", algorithm="ring"))  # another algorithm
+    for plan in unmeasured:
+        plain = estimate(model(), hardware(), plan, 40)  # without the constants: the inter link
+        assert estimate(model(), hw, plan, 40).step_s == pytest.approx(plain.step_s)
+
+
 def test_straggler_slows_bsp_but_not_asp():
     hw = hardware(inter_bw=1e9)
     opts = Options(straggler=2.0)

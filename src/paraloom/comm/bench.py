@@ -72,16 +72,21 @@ def measure(options: dict[str, Any]) -> None:
     rows = []
     try:
         for size in options["sizes"]:
-            x = torch.zeros(size // 4, dtype=torch.float32)
+            dtype = getattr(torch, options.get("dtype", "float32"))
+            x = torch.zeros(size // dtype.itemsize, dtype=dtype)
             for algorithm in options["algorithms"]:
-                def once(x: torch.Tensor = x, algorithm: str = algorithm) -> float:
+                cpu: list[float] = []
+
+                def once(x: torch.Tensor = x, algorithm: str = algorithm, cpu: list[float] = cpu) -> float:
                     dist.barrier()
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     all_reduce(x, algorithm=algorithm)
+                    cpu.append(time.process_time() - cpu_start)  # this process, every thread (gloo's too)
                     return time.perf_counter() - start
 
                 for _ in range(options["warmup"]):
                     once()
+                cpu.clear()
                 first = torch.tensor([once()], dtype=torch.float64)
                 dist.all_reduce(first, op=dist.ReduceOp.MAX)  # every rank picks the same count
                 repeats = int(min(options["max_repeats"],
@@ -89,10 +94,13 @@ def measure(options: dict[str, Any]) -> None:
                 times = torch.tensor([first.item()] + [once() for _ in range(repeats - 1)],
                                      dtype=torch.float64)
                 dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a repeat lasts as long as its slowest rank
+                cpu_s = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
+                dist.all_reduce(cpu_s)  # the mean over ranks of each rank's median
                 seconds = statistics.median(times.tolist())
                 algbw = size / seconds / 1e6
                 rows.append({"algorithm": algorithm, "bytes": size, "repeats": repeats,
                              "seconds": seconds, "seconds_min": min(times.tolist()),
+                             "cpu_seconds": cpu_s.item() / world,
                              "algbw_MBps": algbw, "busbw_MBps": algbw * 2 * (world - 1) / world})
                 if rank == 0 and options.get("progress"):
                     print(f"  {format_size(size):>6} {algorithm:<17} {seconds * 1e3:9.2f} ms "
@@ -114,7 +122,7 @@ def summarize(rows: list[dict[str, Any]], link_mbps: float) -> dict[str, Any]:
 def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, nproc: int = 4,
                     warmup: int = 1, min_repeats: int = 5, max_repeats: int = 20,
                     budget_s: float = 3.0, timeout_s: float = 600.0,
-                    progress: bool = True) -> dict[str, Any]:
+                    progress: bool = True, dtype: str = "float32") -> dict[str, Any]:
     """Measure the link, then every algorithm at every size; returns the JSON-ready report."""
     from paraloom.cluster.launch import BENCH_RESTARTS, link_throughput, torchrun_on_cluster
     from paraloom.launch import elastic_run
@@ -127,7 +135,7 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
         options = {"sizes": sizes, "algorithms": algorithms, "warmup": warmup,
                    "min_repeats": min_repeats, "max_repeats": max_repeats, "budget_s": budget_s,
                    "timeout_s": timeout_s, "results_path": str(Path(tmp) / "results.json"),
-                   "progress": progress, "interface": None if cluster else "lo"}
+                   "progress": progress, "interface": None if cluster else "lo", "dtype": dtype}
         if cluster is not None:
             torchrun_on_cluster(cluster, ["paraloom.comm.bench", "--options", json.dumps(options)],
                                 log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
@@ -138,7 +146,7 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
              else f"loopback, {nproc} local workers")
     return {
         "config": {"transport": where, "world_size": measured["world_size"], "sizes": sizes,
-                   "algorithms": algorithms, "dtype": "float32", "link_test_bytes": link_bytes,
+                   "algorithms": algorithms, "dtype": dtype, "link_test_bytes": link_bytes,
                    "link_samples_MBps": link_samples,
                    "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()},
         "link_MBps": link_mbps,

@@ -24,9 +24,11 @@ import torch.nn.functional as F
 
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import Device, Hardware, Link
-from paraloom.perfmodel.network import fit_alpha_beta
+from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
+GROUP_ALGORITHM = "native"
+WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces: gradients, fp16/bf16 payloads
 
 
 def _rate(fn: Callable[[], Any], work: float, *, repeats: int = 7, min_s: float = 0.05) -> float:
@@ -97,16 +99,40 @@ def measure_p2p(cluster=None) -> float:
     return max(link_throughput(cluster, 64 << 20)) * 1e6
 
 
-def measure_link(cluster=None, nproc: int = 2) -> tuple[float, float, list[dict[str, Any]]]:
-    """(alpha seconds, bandwidth bytes/s, rows) of the ring all-reduce on loopback or `cluster`."""
+def measure_link(cluster=None, nproc: int = 2, dtype: str = "float32",
+                 algorithm: str = "ring") -> tuple[float, float, list[dict[str, Any]]]:
+    """(alpha seconds, bandwidth bytes/s, rows) of the `algorithm` all-reduce of `dtype` on loopback or
+    `cluster`: alpha from the whole sweep, the bandwidth from the sizes of 1 MiB and up
+    (`fit_sustained_bandwidth`)."""
     from paraloom.comm.bench import run_collectives
 
-    report = run_collectives(sizes=LINK_SIZES, algorithms=["ring"], cluster=cluster, nproc=nproc,
-                             min_repeats=3, max_repeats=10, budget_s=1.0, progress=False)
+    report = run_collectives(sizes=LINK_SIZES, algorithms=[algorithm], cluster=cluster, nproc=nproc,
+                             min_repeats=3, max_repeats=10, budget_s=1.0, progress=False, dtype=dtype)
     rows = report["results"]
     n = report["config"]["world_size"]
-    alpha, bandwidth = fit_alpha_beta([r["bytes"] for r in rows], [r["seconds"] for r in rows], n, "ring")
-    return alpha, bandwidth, rows
+    sizes, seconds = [r["bytes"] for r in rows], [r["seconds"] for r in rows]
+    alpha, _ = fit_alpha_beta(sizes, seconds, n, algorithm)
+    return alpha, fit_sustained_bandwidth(sizes, seconds, n, alpha, algorithm), rows
+
+
+def group_key(n: int, dtype: str, what: str, algorithm: str = GROUP_ALGORITHM) -> str:
+    """The constant naming the inter-node all-reduce's `what` (bandwidth or latency) among n workers."""
+    return f"allreduce.n{n}.{dtype}.{algorithm}.{what}"
+
+
+def measure_groups(clusters) -> dict[str, float]:
+    """gloo's own all-reduce (`comm.algorithm=native`, the engine's default) across each emulated
+    cluster (n = its node count) for each wire dtype, as `group_key` constants: n processes sharing
+    one host's cores move bytes slower than the two the inter link is fitted on, and gloo sums fp16
+    and bf16 with several times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels
+    and does not pay that)."""
+    out: dict[str, float] = {}
+    for cluster in clusters:
+        for dtype in WIRE_DTYPES:
+            alpha, bandwidth, _ = measure_link(cluster, dtype=dtype, algorithm=GROUP_ALGORITHM)
+            out[group_key(cluster.nodes, dtype, "bandwidth")] = bandwidth
+            out[group_key(cluster.nodes, dtype, "latency")] = alpha
+    return out
 
 
 def build_profile(compute: dict[str, float], intra: Link, inter: Link, *, name: str,
@@ -123,12 +149,15 @@ def build_profile(compute: dict[str, float], intra: Link, inter: Link, *, name: 
 
 
 def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name: str = "this-machine",
-              progress: Callable[[str], None] = lambda _: None) -> tuple[Hardware, dict[str, Any]]:
+              group_clusters=(), progress: Callable[[str], None] = lambda _: None
+              ) -> tuple[Hardware, dict[str, Any]]:
     """Measure this machine; inter-node constants come from `cluster` (emulated) when given.
 
     The ring all-reduce's alpha and beta describe collectives (its beta includes the reduction's
     CPU work); a single TCP stream's throughput (`p2p_bandwidth.*`) describes point-to-point
     traffic (parameter-server push and pull, pipeline activations), which moves more per second.
+    With `cluster`, the all-reduce is also measured per wire dtype at its size and across each of
+    `group_clusters` (emulated clusters of other sizes at the same rate): `measure_groups`.
     """
     progress("compute: matmul, conv, attention, element-wise, memory bandwidth")
     compute = measure_compute(threads)
@@ -137,19 +166,22 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
     progress("links: ring all-reduce and one TCP stream on loopback")
     alpha, bandwidth, loop_rows = measure_link(None, nproc=2)
     intra = Link("loopback", bandwidth, alpha)
-    p2p = {"p2p_bandwidth.intra": measure_p2p(None)}
+    links = {"p2p_bandwidth.intra": measure_p2p(None)}
     inter, inter_rows = intra, []
     if cluster is not None:
         progress(f"links: ring all-reduce and one TCP stream across {cluster.nodes} emulated nodes")
         alpha, bandwidth, inter_rows = measure_link(cluster)
         inter = Link(f"emulated {cluster.spec.rate}", bandwidth, alpha)
-        p2p["p2p_bandwidth.inter"] = measure_p2p(cluster)
+        links["p2p_bandwidth.inter"] = measure_p2p(cluster)
+        sizes = ", ".join(str(c.nodes) for c in (cluster, *group_clusters))
+        progress(f"links: ring all-reduce per wire dtype among {sizes} emulated nodes")
+        links.update(measure_groups((cluster, *group_clusters)))
     else:
-        p2p["p2p_bandwidth.inter"] = p2p["p2p_bandwidth.intra"]
+        links["p2p_bandwidth.inter"] = links["p2p_bandwidth.intra"]
     # every emulated node is a process on this host: they share its cores (strategies._slowdown)
     hw = build_profile(compute, intra, inter, name=name, devices_per_node=devices_per_node,
                        host_cores=(os.cpu_count() or 1) // max(1, threads))
-    extra = {**p2p, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
+    extra = {**links, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
     hw = replace(hw, constants={**hw.constants, **extra})
     return hw, {"compute": compute, "codecs": codecs, "loopback_rows": loop_rows, "inter_rows": inter_rows}
 

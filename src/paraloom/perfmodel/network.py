@@ -249,3 +249,26 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], n: in
         raise UserError("measured times do not grow with message size, so no bandwidth can be fitted; "
                         "include larger sizes (>= 1 MB) in the sweep")
     return alpha, 1.0 / x
+
+
+def fit_sustained_bandwidth(sizes_bytes: Sequence[float], seconds: Sequence[float], n: int, alpha: float,
+                            algorithm: str = "ring", min_bytes: float = 1 << 20) -> float:
+    """The bandwidth that best explains the all-reduce times of sizes >= `min_bytes`, alpha given.
+
+    A token-bucket shaper (the emulated cluster's `tbf`, or a NIC's burst allowance) lets a short
+    transfer through above the sustained rate, so a fit over a whole sweep overstates the rate a
+    step's megabytes of gradients see. Here alpha comes from the whole sweep (`fit_alpha_beta`: the
+    small sizes carry the latency) and 1/B minimises the relative error of the sustained sizes alone.
+    """
+    c_lat, c_bw = allreduce_coefficients(n, algorithm)
+    rows = [(s, t) for s, t in zip(sizes_bytes, seconds, strict=True) if s >= min_bytes and t > 0]
+    if not rows or c_bw == 0:
+        raise UserError(f"no all-reduce of {min_bytes / 2**20:g} MiB or more was timed; "
+                        "include larger sizes in the sweep")
+    v = [c_bw * s / t for s, t in rows]  # relative rows: v_i x = 1 - c_lat alpha / t_i, x = 1/B
+    rhs = [1.0 - c_lat * alpha / t for _, t in rows]
+    x = sum(a * b for a, b in zip(v, rhs, strict=True)) / sum(a * a for a in v)
+    if x <= 0:
+        raise UserError("the sustained sizes took no longer than the latency alone; "
+                        "include larger sizes in the sweep")
+    return 1.0 / x

@@ -27,6 +27,7 @@ CONSISTENCY = ("bsp", "asp", "ssp")
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
 # weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
 UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
+WIRE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
 
 
 @dataclass(frozen=True)
@@ -188,13 +189,32 @@ def _stream(hw: Hardware, link: Link) -> Link:
     return Link(link.name, bandwidth, link.latency) if bandwidth else link
 
 
+def _measured_group(hw: Hardware, link: Link, plan: Plan) -> Link:
+    """The inter-node link as the plan's all-reduce among its dp workers measured it for the
+    compressor's wire dtype (`calibrate.measure_groups`:
+    `allreduce.n<dp>.<dtype>.<algorithm>.bandwidth|latency`), where it was measured.
+
+    On an emulated cluster every worker is a process of one host: n of them move bytes slower than the
+    two the inter link was fitted on, and gloo sums fp16 and bf16 payloads with more CPU per byte
+    than fp32. Without the constants (presets, real clusters) the link is used as it is.
+    """
+    key = f"allreduce.n{plan.dp}.{WIRE_DTYPES.get(plan.compressor, 'float32')}.{plan.algorithm}"
+    bandwidth = hw.constants.get(f"{key}.bandwidth")
+    latency = hw.constants.get(f"{key}.latency")
+    if bandwidth is None or latency is None:
+        return link
+    return Link(link.name, bandwidth, latency)
+
+
 def _dp_link(hw: Hardware, plan: Plan, *, p2p: bool = False) -> Link:
-    """The data-parallel group's link (at the stream rate with `p2p`); groups that cross nodes share
-    each node's adapters."""
+    """The data-parallel group's link (at the stream rate with `p2p`, else as the group's all-reduce
+    measured it); groups that cross nodes share each node's adapters."""
     link = group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
     crosses = link is hw.inter
     if p2p:
         link = _stream(hw, link)
+    elif crosses:
+        link = _measured_group(hw, link, plan)
     if crosses:
         groups_per_node = min(hw.devices_per_node, plan.tp * plan.pp)
         share = min(1.0, hw.nics_per_node / groups_per_node)
