@@ -176,3 +176,17 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
     for case in report["cases"].values():
         assert set(case["seconds"]) == {"compute", "allreduce", "ddp", "ddp_view", "fifo", "wait_free",
                                         "priority", "one_step_delay", "local_sgd"}
+
+
+def test_calibration_measures_gloos_all_reduce_per_dtype_on_a_cluster_like_another():
+    from paraloom.cli_perf import _emulated_like
+    from paraloom.perfmodel.calibrate import measure_groups
+
+    with EmulatedCluster(ClusterSpec(2, parse_rate("1gbit"), _name())) as pair:
+        with _emulated_like(pair, 3) as trio:
+            assert trio.nodes == 3 and trio.spec.rate_bits == pair.spec.rate_bits
+            constants = measure_groups([trio])
+    assert len(constants) == 6
+    for dtype in ("float32", "float16", "bfloat16"):  # about the 1 Gbit/s link, whatever the dtype
+        assert 80e6 < constants[f"allreduce.n3.{dtype}.native.bandwidth"] < 200e6, constants
+        assert constants[f"allreduce.n3.{dtype}.native.latency"] >= 0
