@@ -71,8 +71,8 @@ def measure(options: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     try:
+        dtype = getattr(torch, options.get("dtype", "float32"))
         for size in options["sizes"]:
-            dtype = getattr(torch, options.get("dtype", "float32"))
             x = torch.zeros(size // dtype.itemsize, dtype=dtype)
             for algorithm in options["algorithms"]:
                 cpu: list[float] = []

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import Device, Hardware, Link
-from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth
+from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
@@ -115,23 +115,17 @@ def measure_link(cluster=None, nproc: int = 2, dtype: str = "float32",
     return alpha, fit_sustained_bandwidth(sizes, seconds, n, alpha, algorithm), rows
 
 
-def group_key(n: int, dtype: str, what: str, algorithm: str = GROUP_ALGORITHM) -> str:
-    """The constant naming the inter-node all-reduce's `what` (bandwidth or latency) among n workers."""
-    return f"allreduce.n{n}.{dtype}.{algorithm}.{what}"
-
-
 def measure_groups(clusters) -> dict[str, float]:
     """gloo's own all-reduce (`comm.algorithm=native`, the engine's default) across each emulated
     cluster (n = its node count) for each wire dtype, as `group_key` constants: n processes sharing
     one host's cores move bytes slower than the two the inter link is fitted on, and gloo sums fp16
-    and bf16 with several times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels
-    and does not pay that)."""
+    and bf16 with about 1.5 times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels)."""
     out: dict[str, float] = {}
     for cluster in clusters:
         for dtype in WIRE_DTYPES:
             alpha, bandwidth, _ = measure_link(cluster, dtype=dtype, algorithm=GROUP_ALGORITHM)
-            out[group_key(cluster.nodes, dtype, "bandwidth")] = bandwidth
-            out[group_key(cluster.nodes, dtype, "latency")] = alpha
+            out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "bandwidth")] = bandwidth
+            out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "latency")] = alpha
     return out
 
 
@@ -174,7 +168,7 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
         inter = Link(f"emulated {cluster.spec.rate}", bandwidth, alpha)
         links["p2p_bandwidth.inter"] = measure_p2p(cluster)
         sizes = ", ".join(str(c.nodes) for c in (cluster, *group_clusters))
-        progress(f"links: ring all-reduce per wire dtype among {sizes} emulated nodes")
+        progress(f"links: gloo's all-reduce per wire dtype among {sizes} emulated nodes")
         links.update(measure_groups((cluster, *group_clusters)))
     else:
         links["p2p_bandwidth.inter"] = links["p2p_bandwidth.intra"]

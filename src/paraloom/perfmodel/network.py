@@ -272,3 +272,9 @@ def fit_sustained_bandwidth(sizes_bytes: Sequence[float], seconds: Sequence[floa
         raise UserError("the sustained sizes took no longer than the latency alone; "
                         "include larger sizes in the sweep")
     return 1.0 / x
+
+
+def group_key(n: int, dtype: str, algorithm: str, what: str) -> str:
+    """The hardware constant holding `what` (bandwidth or latency) of the inter-node `algorithm`
+    all-reduce of `dtype` payloads among n workers, as `paraloom calibrate` measures it."""
+    return f"allreduce.n{n}.{dtype}.{algorithm}.{what}"

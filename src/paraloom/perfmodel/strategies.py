@@ -15,7 +15,7 @@ from paraloom.perfmodel import overlap
 from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time
 from paraloom.perfmodel.hardware import Hardware, Link
 from paraloom.perfmodel.memory import device_memory
-from paraloom.perfmodel.network import allreduce_time, group_link, p2p_time, ps_time
+from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
 
@@ -27,7 +27,7 @@ CONSISTENCY = ("bsp", "asp", "ssp")
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
 # weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
 UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
-WIRE_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
+WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,9 @@ def _measured_group(hw: Hardware, link: Link, plan: Plan) -> Link:
     two the inter link was fitted on, and gloo sums fp16 and bf16 payloads with more CPU per byte
     than fp32. Without the constants (presets, real clusters) the link is used as it is.
     """
-    key = f"allreduce.n{plan.dp}.{WIRE_DTYPES.get(plan.compressor, 'float32')}.{plan.algorithm}"
-    bandwidth = hw.constants.get(f"{key}.bandwidth")
-    latency = hw.constants.get(f"{key}.latency")
+    dtype = WIRE_DTYPE.get(plan.compressor, "float32")
+    bandwidth = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "bandwidth"))
+    latency = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "latency"))
     if bandwidth is None or latency is None:
         return link
     return Link(link.name, bandwidth, latency)
