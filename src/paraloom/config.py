@@ -198,10 +198,13 @@ class PSConfig:
     servers: int = 1  # parameter-server processes (ranks after the workers), each owning a shard
     consistency: str = _choices("bsp", "asp", "ssp", default="bsp")  # when a worker may read
     staleness: int = 3  # ssp: clocks a worker may run ahead of the slowest
-    overlap: bool = True  # push each shard during backward, load each reply when forward needs it
+    overlap: bool = True  # push each slice during backward, load each reply when forward needs it
+    partition_mb: float = 0.5  # a server's shard travels as slices of at most this size, each on its own
 
     def __post_init__(self) -> None:
         _positive(self, "servers")
+        if not self.partition_mb > 0:
+            raise UserError(f"ps.partition_mb={self.partition_mb} must be positive")
         if self.staleness < 0:
             raise UserError(f"ps.staleness={self.staleness} must not be negative")
 

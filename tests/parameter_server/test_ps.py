@@ -17,6 +17,8 @@ from paraloom.parameter_server import (
     shard_bounds,
     staleness_bound,
 )
+from paraloom.parameter_server.server import serve
+from paraloom.parameter_server.shard import slice_layout
 
 torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])  # import torch._dynamo once, before forking
 
@@ -43,6 +45,19 @@ def test_shards_cover_the_vector_evenly():
         assert max(sizes) - min(sizes) <= 1
 
 
+def test_slices_cut_each_shard_in_order():
+    assert slice_layout(10, 2, 100) == [(0, 0, 5), (1, 5, 10)]  # one slice per server
+    assert slice_layout(10, 2, 2) == [(0, 0, 1), (0, 1, 3), (0, 3, 5), (1, 5, 6), (1, 6, 8), (1, 8, 10)]
+    for n, k, size in [(1000, 3, 7), (163, 2, 40), (5, 5, 1)]:
+        layout = slice_layout(n, k, size)
+        assert [lo for _, lo, _ in layout[1:]] == [hi for _, _, hi in layout[:-1]]  # contiguous
+        assert layout[0][1] == 0 and layout[-1][2] == n and all(hi - lo <= size for _, lo, hi in layout)
+        assert [server for server, _, _ in layout] == sorted(server for server, _, _ in layout)
+        for server, (lo, hi) in enumerate(shard_bounds(n, k)):  # a server's slices are its shard
+            mine = [(a, b) for owner, a, b in layout if owner == server]
+            assert mine[0][0] == lo and mine[-1][1] == hi
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -59,20 +74,28 @@ def _sgd(params):
 
 
 def _ps_job(rank, world, workers, consistency, staleness, steps, batch, slow_rank=None, *, overlap=False,
-            compressor=None, tokens=None):
-    servers = list(range(workers, world))
+            compressor=None, tokens=None, slice_elements=10**9):
     model = _model()
     n = sum(p.numel() for p in model.parameters())
-    bounds = shard_bounds(n, len(servers))
+    layout = slice_layout(n, world - workers, slice_elements)
+    servers, bounds = [workers + s for s, _, _ in layout], [(lo, hi) for _, lo, hi in layout]
     codecs = [PushCodec(hi - lo, compressor) for lo, hi in bounds]
     token = (tokens or {}).get(rank, 0)
     if rank >= workers:  # a server
         flat, _ = flatten_model(model)
-        i = rank - workers
-        server = ParameterServer(flat[bounds[i][0]:bounds[i][1]], _sgd, workers=list(range(workers)),
-                                 bound=staleness_bound(consistency, staleness), average=consistency == "bsp",
-                                 token=token, codec=codecs[i])
-        return ("server", server.serve())
+        mine = [i for i, owner in enumerate(servers) if owner == rank]
+        if len(mine) == 1:  # the single-slice server's own loop
+            i = mine[0]
+            server = ParameterServer(flat[bounds[i][0]:bounds[i][1]], _sgd, workers=list(range(workers)),
+                                     bound=staleness_bound(consistency, staleness),
+                                     average=consistency == "bsp", token=token, codec=codecs[i])
+            return ("server", server.serve())
+        return ("server", serve([ParameterServer(flat[bounds[i][0]:bounds[i][1]], _sgd,
+                                                 workers=list(range(workers)),
+                                                 bound=staleness_bound(consistency, staleness),
+                                                 average=consistency == "bsp", token=token, codec=codecs[i],
+                                                 slot=slot)
+                                 for slot, i in enumerate(mine)]))
     client = PSClient(model, servers, bounds, token=token, codecs=codecs)
     try:
         client.pull()
@@ -103,25 +126,33 @@ def _sgd_reference(steps, batch):
     return torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
 
 
-@pytest.mark.parametrize("workers,servers", [(2, 1), (2, 2), (4, 1), (4, 2)])
-def test_bsp_equals_synchronous_sgd(workers, servers):
+@pytest.mark.parametrize("workers,servers,slice_elements", [(2, 1, 10**9), (2, 2, 10**9), (4, 1, 10**9),
+                                                            (4, 2, 10**9), (2, 2, 40)])
+def test_bsp_equals_synchronous_sgd(workers, servers, slice_elements):
+    """Also with each server's shard in three slices (163 parameters, 2 servers, 40 a slice)."""
     steps, batch = 10, 8
-    out = run_workers(_ps_job, workers + servers, workers, "bsp", 0, steps, batch, timeout=60)
+    out = run_workers(_ps_job, workers + servers, workers, "bsp", 0, steps, batch,
+                      slice_elements=slice_elements, timeout=60)
     expected = _sgd_reference(steps, batch)
     for kind, *rest in out:
         if kind == "worker":
             torch.testing.assert_close(rest[0], expected)
     stats = [rest[0] for kind, *rest in out if kind == "server"]
-    assert all(s["updates"] == steps and s["pushes_applied"] == steps * workers for s in stats)
+    slices = 3 if slice_elements == 40 else 1
+    assert all(s.get("slices", 1) == slices for s in stats)
+    assert all(s["updates"] == steps * slices and s["pushes_applied"] == steps * workers * slices
+               for s in stats)
     assert all(set(s["read_staleness"]) == {0} for s in stats)
 
 
-@pytest.mark.parametrize("servers", [1, 3])
-def test_overlapped_pushes_and_loads_equal_synchronous_sgd(servers):
-    """Shards pushed from backward hooks and loaded from forward pre-hooks (3 servers: shards that
-    cut through parameters) give the same parameters as plain BSP."""
+@pytest.mark.parametrize("servers,slice_elements", [(1, 10**9), (3, 10**9), (1, 30)])
+def test_overlapped_pushes_and_loads_equal_synchronous_sgd(servers, slice_elements):
+    """Slices pushed from backward hooks and loaded from forward pre-hooks (3 servers, or one
+    server's shard in 6 slices: slices that cut through parameters) give the same parameters as
+    plain BSP."""
     steps, batch = 10, 8
-    out = run_workers(_ps_job, 2 + servers, 2, "bsp", 0, steps, batch, overlap=True, timeout=60)
+    out = run_workers(_ps_job, 2 + servers, 2, "bsp", 0, steps, batch, overlap=True,
+                      slice_elements=slice_elements, timeout=60)
     expected = _sgd_reference(steps, batch)
     workers = [rest for kind, *rest in out if kind == "worker"]
     assert len(workers) == 2
@@ -149,16 +180,19 @@ def test_a_worker_with_another_runs_token_is_refused():
     assert server["refused"] == 1 and server["pushes_applied"] == 20  # the refused one changed nothing
 
 
-@pytest.mark.parametrize("consistency,staleness", [("asp", 0), ("ssp", 1), ("ssp", 3)])
-def test_no_push_is_lost_and_ssp_reads_stay_within_the_bound(consistency, staleness):
-    workers, steps = 4, 500  # 2,000 pushes
+@pytest.mark.parametrize("consistency,staleness,slice_elements", [("asp", 0, 10**9), ("ssp", 1, 10**9),
+                                                                  ("ssp", 3, 10**9), ("ssp", 2, 60)])
+def test_no_push_is_lost_and_ssp_reads_stay_within_the_bound(consistency, staleness, slice_elements):
+    """2,000 pushes (one server; or its shard in 3 slices, each read and bounded on its own)."""
+    workers, steps = 4, 500
     out = run_workers(_ps_job, workers + 1, workers, consistency, staleness, steps, 8, slow_rank=0,
-                      timeout=120)
+                      slice_elements=slice_elements, timeout=120)
+    slices = 1 if slice_elements > 163 else 3
     sent = sum(rest[1] for kind, *rest in out if kind == "worker")
     stats = [rest[0] for kind, *rest in out if kind == "server"]
-    assert sent == workers * steps
+    assert sent == workers * steps * slices
     assert sum(s["pushes_applied"] for s in stats) == sent
-    assert all(s["updates"] == workers * steps for s in stats)  # one step per push
+    assert all(s["updates"] == workers * steps * slices for s in stats)  # one step per push
     reads = max(max(s["read_staleness"]) for s in stats)
     if consistency == "ssp":
         assert reads <= staleness

@@ -38,9 +38,11 @@ def _trained_params(rank, world, cfg, ps):
     return summary, captured.get("params")
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adam"])
-def test_bsp_training_equals_all_reduce_training(optim):
-    cfg = _cfg("optim.epochs=2", f"optim.name={optim}", "parallel.mode=ps", "ps.servers=2")
+@pytest.mark.parametrize("optim,partition_mb", [("sgd", 0.5), ("adam", 0.5), ("adam", 0.01)])
+def test_bsp_training_equals_all_reduce_training(optim, partition_mb):
+    """At 0.01 MB each server's half of the MLP (8,970 parameters) travels as 2 slices."""
+    cfg = _cfg("optim.epochs=2", f"optim.name={optim}", "parallel.mode=ps", "ps.servers=2",
+               f"ps.partition_mb={partition_mb}")
     ps = run_workers(_trained_params, 4, cfg, True, timeout=120)  # 2 workers, 2 servers
     dp = run_workers(_trained_params, 2, _cfg("optim.epochs=2", f"optim.name={optim}", "guard.nan=false"),
                      False, timeout=120)

@@ -57,3 +57,18 @@ def test_once_faults_fire_once_per_run_directory(tmp_path):
     assert not again.poison(5)
     other = FaultInjector(faults, rank=0, world_size=2, seed=0, run_dir=tmp_path)
     assert not other.poison(5)
+
+
+def test_a_slow_step_sleeps_its_extra_computation_before_backward(monkeypatch):
+    """`stretch` sleeps (factor - 1) x the last step's forward and backward (3x this forward on
+    the first step), only on the slow rank."""
+    slept = []
+    monkeypatch.setattr("paraloom.train.faults.time.sleep", slept.append)
+    faults = parse_faults("slow:rank=1,factor=2.5")
+    slow = FaultInjector(faults, rank=1, world_size=2, seed=0, run_dir=None)
+    fast = FaultInjector(faults, rank=0, world_size=2, seed=0, run_dir=None)
+    assert slow.stretch(1, forward_seconds=0.01) == pytest.approx(0.045)  # 1.5 x 3 x 0.01
+    slow.computed(0.04)
+    assert slow.stretch(2, forward_seconds=0.01) == pytest.approx(0.06)  # 1.5 x 0.04
+    assert fast.stretch(1, forward_seconds=0.01) == 0.0
+    assert slept == pytest.approx([0.045, 0.06])

@@ -24,8 +24,17 @@ from paraloom.errors import UserError
 SLOTS = 4  # int32 header slots (16 bytes) at the front of every message
 PUSH, PULL, DONE = 1, 2, 4  # request flags
 OK, REFUSED = 0, 1  # reply status
-REQUEST, REPLY = 21, 22  # c10d tags
+REQUEST, REPLY = 21, 22  # c10d tags of a server's first slice; slice j's are these + 2 j
 PUSHABLE = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "dgc")  # fixed-size payloads
+
+
+def request_tag(slot: int) -> int:
+    """The c10d tag of requests for a server's slice `slot` (0, 1, ... within that server)."""
+    return REQUEST + 2 * slot
+
+
+def reply_tag(slot: int) -> int:
+    return REPLY + 2 * slot
 
 
 def run_token(run_id: str) -> int:

@@ -2,9 +2,11 @@
 
 Messages are c10d point-to-point (gloo over TCP; NCCL on GPUs) in the format of message.py: one
 request per worker per step (its gradient and the request for the next parameters) and one
-reply. Every worker's next request has a receive posted for it (a thread per worker waits on
-it), so all workers' gradients stream in at once; the server handles them one at a time in
-the order they arrive (its state needs no lock). A single any-source receive would let gloo
+reply for each slice of the shard (a slice has state of its own: parameters, optimizer, clocks,
+version; `serve` runs all of one process's slices). Every worker's next request of every slice
+has a receive posted for it (a thread per worker and slice waits on it), so all gradients stream
+in at once; the server handles them one at a time in the order they arrive (its state needs no
+lock). A single any-source receive would let gloo
 stall every sender but the one it matched, and the links would idle between messages.
 
 BSP sums the W pushes of a clock and takes one optimizer step with their mean — the update of
@@ -32,18 +34,21 @@ from paraloom.parameter_server.message import (
     PULL,
     PUSH,
     REFUSED,
-    REPLY,
-    REQUEST,
     Message,
     PushCodec,
+    reply_tag,
+    request_tag,
 )
 
 GONE = 1 << 30  # the clock of a worker that has left: it never holds the others back
 
 
 class ParameterServer:
+    """One slice's state; `slot` is the slice's index at its server (its messages' tags)."""
+
     def __init__(self, shard: torch.Tensor, optimizer_factory, *, workers: list[int], bound: int | None,
-                 average: bool, token: int = 0, codec: PushCodec | None = None) -> None:
+                 average: bool, token: int = 0, codec: PushCodec | None = None, slot: int = 0) -> None:
+        self.slot = slot
         self.param = torch.nn.Parameter(shard.detach().clone())
         self.param.grad = torch.zeros_like(self.param)
         self.optimizer = optimizer_factory([self.param])
@@ -66,36 +71,36 @@ class ParameterServer:
 
     def serve(self) -> dict[str, Any]:
         """Run until every worker has said it is done; returns this server's metrics."""
-        cpu = time.process_time()
-        inbox = Inbox(self.codec, self.workers, self.token)
-        active = len(self.workers)
-        while active:
-            src, message = inbox.next()
-            flags, clock, version, token = message.read_header()
-            leaving = token != self.token or bool(flags & DONE)
-            began = time.perf_counter()
-            if leaving:
-                if token != self.token:
-                    self.refused += 1
-                    self._reply(src, REFUSED)
-                self.clocks[src] = GONE
-                active -= 1
-            else:
-                if flags & PUSH:
-                    self._apply(self.codec.decode(message.body), version)
-                    self.clocks[src] = clock
-                if flags & PULL:
-                    self.pending.append((src, clock))
-            inbox.release(src)
-            self._answer()
-            self.busy_seconds += time.perf_counter() - began
+        return serve([self])
+
+    def handle(self, src: int, message: Message) -> bool:
+        """Apply a worker's request (then `answer`); whether the worker has left."""
+        flags, clock, version, token = message.read_header()
+        leaving = token != self.token or bool(flags & DONE)
+        began = time.perf_counter()
+        if leaving:
+            if token != self.token:
+                self.refused += 1
+                self._reply(src, REFUSED)
+            self.clocks[src] = GONE
+        else:
+            if flags & PUSH:
+                self._apply(self.codec.decode(message.body), version)
+                self.clocks[src] = clock
+            if flags & PULL:
+                self.pending.append((src, clock))
+        self.busy_seconds += time.perf_counter() - began
+        return leaving
+
+    def answer(self) -> None:
+        """Reply to every pending read the consistency rule now allows."""
+        began = time.perf_counter()
+        self._answer()
+        self.busy_seconds += time.perf_counter() - began
+
+    def finish(self) -> None:
         for send, _ in self._sends.values():
             send.wait()
-        return {"pushes_applied": self.pushes_applied, "updates": self.version, "refused": self.refused,
-                "staleness": dict(sorted(self.staleness.items())),
-                "read_staleness": dict(sorted(self.read_staleness.items())),
-                "busy_seconds": self.busy_seconds,  # handling requests (wall clock)
-                "cpu_seconds": time.process_time() - cpu}  # all threads, the receiving ones included
 
     @torch.no_grad()
     def _apply(self, grad: torch.Tensor, version: int) -> None:
@@ -144,40 +149,72 @@ class ParameterServer:
         previous = self._sends.get(worker)
         if previous is not None:  # done long ago: the worker has received it and asked again since
             previous[0].wait()
-        self._sends[worker] = (dist.isend(message.buffer, worker, tag=REPLY), message)
+        self._sends[worker] = (dist.isend(message.buffer, worker, tag=reply_tag(self.slot)), message)
+
+
+def serve(slices: list[ParameterServer]) -> dict[str, Any]:
+    """Serve one process's slices (slice j has slot j) until every worker has said it is done to
+    each; returns the server's metrics, summed over its slices (a push is one slice's gradient)."""
+    cpu = time.process_time()
+    inbox = Inbox([s.codec for s in slices], slices[0].workers, slices[0].token)
+    active = len(slices) * len(slices[0].workers)
+    while active:
+        src, slot, message = inbox.next()
+        active -= slices[slot].handle(src, message)
+        inbox.release(src, slot)  # the next request's receive is posted before the replies go out
+        slices[slot].answer()
+    for piece in slices:
+        piece.finish()
+    return {"slices": len(slices),
+            "pushes_applied": sum(s.pushes_applied for s in slices),
+            "updates": sum(s.version for s in slices), "refused": max(s.refused for s in slices),
+            "staleness": _merged(s.staleness for s in slices),
+            "read_staleness": _merged(s.read_staleness for s in slices),
+            "busy_seconds": sum(s.busy_seconds for s in slices),  # handling requests (wall clock)
+            "cpu_seconds": time.process_time() - cpu}  # all threads, the receiving ones included
+
+
+def _merged(counters) -> dict[int, int]:
+    total: Counter[int] = Counter()
+    for counter in counters:
+        total.update(counter)
+    return dict(sorted(total.items()))
 
 
 class Inbox:
-    """A receive posted for every worker's next request, each waited on by a thread of its own;
-    `next()` returns requests in the order they complete, `release(src)` lets src's buffer be reused."""
+    """A receive posted for every worker's next request of every slice, each waited on by a thread
+    of its own; `next()` returns requests in the order they complete, `release(src, slot)` lets
+    that buffer be reused."""
 
-    def __init__(self, codec: PushCodec, workers: list[int], token: int) -> None:
+    def __init__(self, codecs: list[PushCodec], workers: list[int], token: int) -> None:
         self.arrived: queue.SimpleQueue = queue.SimpleQueue()
-        self.messages = {w: codec.message() for w in workers}
-        self.free = {w: threading.Semaphore(0) for w in workers}
+        keys = [(w, slot) for w in workers for slot in range(len(codecs))]
+        self.messages = {(w, slot): codecs[slot].message() for w, slot in keys}
+        self.free = {key: threading.Semaphore(0) for key in keys}
         self.token = token
-        for w in workers:
-            threading.Thread(target=self._receive, args=(w,), name=f"ps-inbox-{w}", daemon=True).start()
+        for w, slot in keys:
+            threading.Thread(target=self._receive, args=(w, slot), name=f"ps-inbox-{w}-{slot}",
+                             daemon=True).start()
 
-    def _receive(self, worker: int) -> None:
-        message = self.messages[worker]
+    def _receive(self, worker: int, slot: int) -> None:
+        message = self.messages[worker, slot]
         while True:
             try:
-                dist.irecv(message.buffer, worker, tag=REQUEST).wait()
+                dist.irecv(message.buffer, worker, tag=request_tag(slot)).wait()
             except Exception as error:  # a dead or hung worker: the server's loop raises it
-                self.arrived.put((worker, error))
+                self.arrived.put((worker, slot, error))
                 return
             flags, _, _, token = message.read_header()
-            self.arrived.put((worker, None))
+            self.arrived.put((worker, slot, None))
             if flags & DONE or token != self.token:  # the worker's last request
                 return
-            self.free[worker].acquire()
+            self.free[worker, slot].acquire()
 
-    def next(self) -> tuple[int, Message]:
-        worker, error = self.arrived.get()
+    def next(self) -> tuple[int, int, Message]:
+        worker, slot, error = self.arrived.get()
         if error is not None:
             raise error
-        return worker, self.messages[worker]
+        return worker, slot, self.messages[worker, slot]
 
-    def release(self, worker: int) -> None:
-        self.free[worker].release()
+    def release(self, worker: int, slot: int) -> None:
+        self.free[worker, slot].release()

@@ -29,8 +29,8 @@ from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.parameter_server.consistency import staleness_bound
 from paraloom.parameter_server.message import PushCodec, run_token
-from paraloom.parameter_server.server import ParameterServer
-from paraloom.parameter_server.shard import flatten_model, shard_bounds
+from paraloom.parameter_server.server import ParameterServer, serve
+from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.worker import PSClient
 from paraloom.train.faults import FaultInjector, parse_faults
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
@@ -64,8 +64,9 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
     model_kwargs = dataclasses.asdict(cfg.model)
     model = build_model(model_kwargs.pop("name"), split.input_shape, split.n_classes, **model_kwargs)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    bounds = shard_bounds(n_params, n_servers)
-    servers = list(range(n_workers, world))
+    layout = slice_layout(n_params, n_servers, max(1, int(cfg.ps.partition_mb * 2**20 / 4)))  # fp32
+    bounds = [(lo, hi) for _, lo, hi in layout]
+    servers = [n_workers + server for server, _, _ in layout]  # the rank owning each slice
     env = os.environ  # the run id and attempt the elastic agent gave this process, and the run directory
     token = run_token("/".join([env.get("TORCHELASTIC_RUN_ID", "local"),
                                 env.get("TORCHELASTIC_RESTART_COUNT", "0"), run_dir.name if run_dir else ""]))
@@ -75,13 +76,14 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
 
     if rank >= n_workers:
         flat, _ = flatten_model(model)
-        lo, hi = bounds[rank - n_workers]
-        server = ParameterServer(flat[lo:hi], lambda params: make_optimizer(cfg.optim, params, cfg.comm),
-                                 workers=list(range(n_workers)),
-                                 bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
-                                 average=cfg.ps.consistency == "bsp", token=token,
-                                 codec=codecs[rank - n_workers])
-        stats = server.serve()
+        mine = [i for i, owner in enumerate(servers) if owner == rank]
+        stats = serve([ParameterServer(flat[bounds[i][0]:bounds[i][1]],
+                                       lambda params: make_optimizer(cfg.optim, params, cfg.comm),
+                                       workers=list(range(n_workers)),
+                                       bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
+                                       average=cfg.ps.consistency == "bsp", token=token, codec=codecs[i],
+                                       slot=slot)
+                       for slot, i in enumerate(mine)])
         if run_dir is not None:
             (run_dir / "ps").mkdir(exist_ok=True)
             write_json(run_dir / "ps" / f"server{rank - n_workers}.json", stats)
@@ -115,10 +117,10 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
                 began, waited = time.perf_counter(), client.wait_seconds
                 x, y = split.x_train[local_idx], split.y_train[local_idx]
                 loss, loss_sum = batch_loss(model, x, y, global_count=global_count, dp_world_size=n_workers)
-                loss.backward()
-                slow = faults.slow_factor(step + 1)
-                if slow > 1.0:  # computing takes `slow` times as long (waiting for replies is not computing)
-                    time.sleep((slow - 1.0) * (time.perf_counter() - began - (client.wait_seconds - waited)))
+                # a straggler computes longer; waiting for replies (in forward, with overlap) is not computing
+                slept = faults.stretch(step + 1, time.perf_counter() - began - (client.wait_seconds - waited))
+                loss.backward()  # with overlap, each shard's push leaves from here
+                faults.computed(time.perf_counter() - began - (client.wait_seconds - waited) - slept)
                 client.push()
                 if not cfg.ps.overlap:  # else forward loads each shard when it first needs it
                     client.pull()  # the parameters of the next step, as the consistency rule allows

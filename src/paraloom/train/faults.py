@@ -7,6 +7,10 @@
     --inject slow:rank=random,factor=2  a transient one: each step one rank, drawn from a seeded
                                         stream all ranks agree on, takes 2x
 
+A slow step's extra time is slept between forward and backward (`stretch`), so that it delays
+the step's gradients as slower arithmetic would: slept after backward, it would overlap the
+gradients' communication, which starts during backward.
+
 Steps count from 1. kill, hang and nan fire once per run: a restarted or resumed run does not
 repeat them (the run directory records what fired). Several faults join with ';'.
 """
@@ -99,6 +103,7 @@ class FaultInjector:
         self.rank, self.world_size, self.seed, self.run_dir = rank, world_size, seed, run_dir
         self.once = [f for f in faults if f.kind != "slow" and f.rank == rank and not self._fired(f)]
         self.slow = [f for f in faults if f.kind == "slow"]
+        self.compute_seconds: float | None = None  # the last step's forward and backward (`computed`)
 
     def _marker(self, fault: Fault) -> Path | None:
         if self.run_dir is None:
@@ -143,3 +148,19 @@ class FaultInjector:
             if rank == self.rank:
                 factor *= fault.factor
         return factor
+
+    def stretch(self, step: int, forward_seconds: float) -> float:
+        """Between forward and backward of `step`: sleep (factor - 1) x the step's computation if
+        this rank is slow in it, the computation estimated as the last step's forward and backward
+        (the first step's as 3x its forward). Returns the seconds slept."""
+        factor = self.slow_factor(step) if self.slow else 1.0
+        if factor <= 1.0:
+            return 0.0
+        estimate = self.compute_seconds if self.compute_seconds is not None else 3.0 * forward_seconds
+        seconds = (factor - 1.0) * estimate
+        time.sleep(seconds)
+        return seconds
+
+    def computed(self, seconds: float) -> None:
+        """Record a step's forward and backward seconds (no waiting, no sleep) for `stretch`."""
+        self.compute_seconds = seconds

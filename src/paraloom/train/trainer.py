@@ -236,10 +236,9 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
                                             dp_world_size=groups.dp_world_size)
                 if faults.poison(step + 1):
                     loss = loss * float("nan")
+                slept = faults.stretch(step + 1, time.perf_counter() - computed_from)
                 loss.backward()
-                slow = faults.slow_factor(step + 1)
-                if slow > 1.0:
-                    time.sleep((slow - 1.0) * (time.perf_counter() - computed_from))
+                faults.computed(time.perf_counter() - computed_from - slept)
                 operation = "gradient synchronization and update"
                 stepped = engine.step(optimizer)  # synchronize, update, zero the gradients (bucket views)
                 step += 1
