@@ -137,7 +137,10 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
     profiles = {rate: Hardware.from_yaml(yaml.safe_dump(h["profile"]))
                 for rate, h in report["hardware"].items()}
     for c in report["configs"]:
-        what = predictable(Config.from_dict(c["config"]), c["workers"])
+        config = c["config"]
+        if "partition_mb" not in config.get("ps", {}):  # recorded before slices: a shard was one message
+            config = {**config, "ps": {**config.get("ps", {}), "partition_mb": 1e6}}
+        what = predictable(Config.from_dict(config), c["workers"])
         e = estimate(profile_model(what.spec, recompute=what.recompute), profiles[c["rate"]], what.plan,
                      what.global_batch, what.options)
         c.update({"plan": what.plan.label(), "predicted_s": e.step_s,

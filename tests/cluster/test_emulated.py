@@ -187,7 +187,8 @@ def test_calibration_measures_gloos_all_reduce_per_dtype_on_a_cluster_like_anoth
         with _emulated_like(pair, 3) as trio:
             assert trio.nodes == 3 and trio.spec.rate_bits == pair.spec.rate_bits
             constants = measure_groups([trio])
-    assert len(constants) == 6
+    assert len(constants) == 9
     for dtype in ("float32", "float16", "bfloat16"):  # about the 1 Gbit/s link, whatever the dtype
         assert 80e6 < constants[f"allreduce.n3.{dtype}.native.bandwidth"] < 200e6, constants
         assert constants[f"allreduce.n3.{dtype}.native.latency"] >= 0
+        assert 0 < constants[f"allreduce.n3.{dtype}.native.cpu_s_per_byte"] < 1e-7  # < 100 ns a byte

@@ -90,7 +90,9 @@ def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(m
 
     def fake_link(cluster, nproc=2, dtype="float32", algorithm="ring"):
         calls.append((cluster.nodes, dtype, algorithm))
-        return 1e-4 * cluster.nodes, 1e8 / cluster.nodes / (2 if dtype != "float32" else 1), []
+        rows = [{"bytes": 2**k, "seconds": 1.0, "cpu_seconds": 2**k * 1e-9 * (1 + (k == 22))}
+                for k in (16, 20, 22, 24)]
+        return 1e-4 * cluster.nodes, 1e8 / cluster.nodes / (2 if dtype != "float32" else 1), rows
 
     monkeypatch.setattr(cal, "measure_link", fake_link)
     out = cal.measure_groups([_Nodes(2), _Nodes(4)])
@@ -98,7 +100,9 @@ def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(m
     assert out["allreduce.n2.float32.native.bandwidth"] == 5e7
     assert out["allreduce.n4.float16.native.bandwidth"] == 1.25e7
     assert out["allreduce.n4.bfloat16.native.latency"] == 4e-4
-    assert len(out) == 2 * 2 * 3
+    # CPU seconds per byte: the median over the sizes of 1 MiB and up (1, 2, 1 ns)
+    assert out["allreduce.n2.float16.native.cpu_s_per_byte"] == pytest.approx(1e-9)
+    assert len(out) == 2 * 2 * 3 + 2 * 3
 
 
 @pytest.mark.parametrize("sizes, message", [("4,x", "node counts separated by commas"),

@@ -154,6 +154,12 @@ def test_parameter_server_step():
     # a compressed push shrinks only the push phase; latency once per phase
     assert ps_time(1.2e6, 4, 1, GBIT, push_bytes=0.3e6) == pytest.approx(
         2e-4 + 4 * (0.3e6 + 16) / 1.25e8 + 4 * (1.2e6 + 16) / 1.25e8)
+    # 3 slices: the replies of one slice leave while the next comes in; the shorter phase is paid
+    # for its last slice only, and every slice's message has a header
+    assert ps_time(1.2e6, 4, 1, link, slices=3) == pytest.approx(
+        4 * (1.2e6 + 48) / 1.2e8 + 4 * (1.2e6 + 48) / 1.2e8 / 3)
+    assert ps_time(1.2e6, 4, 1, GBIT, push_bytes=0.3e6, slices=4) == pytest.approx(
+        2e-4 + 4 * (1.2e6 + 64) / 1.25e8 + 4 * (0.3e6 + 64) / 1.25e8 / 4)
 
 
 SIZES = [4 ** k * 1024 for k in range(9)]  # 1 KB .. 64 MB

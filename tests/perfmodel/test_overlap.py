@@ -70,3 +70,7 @@ def test_mean_value_analysis_by_hand():
     assert 1.45 < cycle < 2.85
     # more shards spread the servers' load: faster, never below one worker's own transfers
     assert 1.4 < asp_cycle(2, 4, 0.7, 0.7, 0.05) < cycle
+    # slices: push and pull overlap, one station of demand 0.7 + 0.7 / 7 = 0.8 (exact MVA by hand)
+    r2 = 0.8 * (1 + 0.8 / 0.85)
+    assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=7) == pytest.approx(r2 + 0.05)
+    assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=1) == pytest.approx(cycle)

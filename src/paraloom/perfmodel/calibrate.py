@@ -119,13 +119,18 @@ def measure_groups(clusters) -> dict[str, float]:
     """gloo's own all-reduce (`comm.algorithm=native`, the engine's default) across each emulated
     cluster (n = its node count) for each wire dtype, as `group_key` constants: n processes sharing
     one host's cores move bytes slower than the two the inter link is fitted on, and gloo sums fp16
-    and bf16 with about 1.5 times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels)."""
+    and bf16 with about 1.5 times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels).
+    Also each process's CPU seconds per byte all-reduced (sizes of 1 MiB and up, median): the
+    kernel's TCP and the sums run on the cores the training computes on."""
     out: dict[str, float] = {}
     for cluster in clusters:
         for dtype in WIRE_DTYPES:
-            alpha, bandwidth, _ = measure_link(cluster, dtype=dtype, algorithm=GROUP_ALGORITHM)
+            alpha, bandwidth, rows = measure_link(cluster, dtype=dtype, algorithm=GROUP_ALGORITHM)
             out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "bandwidth")] = bandwidth
             out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "latency")] = alpha
+            cpu = [r["cpu_seconds"] / r["bytes"] for r in rows if r["bytes"] >= 1 << 20]
+            key = group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "cpu_s_per_byte")
+            out[key] = statistics.median(cpu)
     return out
 
 

@@ -192,28 +192,34 @@ def hierarchical_allreduce_time(nbytes: float, n_nodes: int, per_node: int, intr
 
 
 def ps_time(nbytes: float, workers: int, servers: int, link: LinkLike,
-            push_bytes: float | None = None) -> float:
+            push_bytes: float | None = None, slices: int = 1) -> float:
     """Seconds for one parameter-server step: every worker pushes its gradient and pulls the parameters.
 
-    `nbytes` is the model's fp32 parameters, cut into `servers` equal shards; `push_bytes` the
-    gradient as pushed (a compressor's payload; default nbytes). Each worker and each server has
-    its own node and NIC of `link` (as in benchmarks/ps.py). A step is one request and one reply
-    per (worker, server) pair, each with a 16-byte header (parameter_server/message.py). Push:
-    a worker's NIC sends push_bytes in all, a server's receives workers * push_bytes / servers;
-    the busier NIC bounds the phase. Pull: the same with nbytes in the other direction. Under
-    BSP a server replies only once every push is in, so the phases add: 2 alpha + both phases.
-    ASP and SSP move the same bytes per step; they change who waits, not the traffic.
+    `nbytes` is the model's fp32 parameters, cut into `servers` equal shards, each sent as `slices`
+    messages (`ps.partition_mb`); `push_bytes` the gradient as pushed (a compressor's payload;
+    default nbytes). Each worker and each server has its own node and NIC of `link` (as in
+    benchmarks/ps.py). Every message carries a 16-byte header (parameter_server/message.py).
+    Push: a worker's NIC sends push_bytes in all, a server's receives workers * push_bytes /
+    servers; the busier NIC bounds the phase. Pull: the same with nbytes in the other direction.
+    Under BSP a server replies to a slice once every worker's push of it is in: with one slice
+    the phases add (2 alpha + both phases); with k slices the replies of slice i flow out while
+    slice i + 1 flows in, so the longer phase is paid whole and the shorter only for its last
+    slice (2 alpha + longer + shorter / k). ASP and SSP move the same bytes per step; they change
+    who waits, not the traffic.
     """
     _check_group(nbytes, workers)
     _check_group(nbytes, servers)
+    if slices < 1:
+        raise UserError(f"slices={slices} must be at least 1")
     push = nbytes if push_bytes is None else push_bytes
 
     def phase(total: float) -> float:
-        worker_nic = total + servers * PS_HEADER_BYTES
-        server_nic = workers * (total / servers + PS_HEADER_BYTES)
-        return link.latency + max(worker_nic, server_nic) / link.bandwidth
+        worker_nic = total + servers * slices * PS_HEADER_BYTES
+        server_nic = workers * (total / servers + slices * PS_HEADER_BYTES)
+        return max(worker_nic, server_nic) / link.bandwidth
 
-    return phase(push) + phase(nbytes)
+    longer, shorter = sorted((phase(push), phase(nbytes)), reverse=True)
+    return 2 * link.latency + longer + shorter / slices
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], n: int,
@@ -275,6 +281,6 @@ def fit_sustained_bandwidth(sizes_bytes: Sequence[float], seconds: Sequence[floa
 
 
 def group_key(n: int, dtype: str, algorithm: str, what: str) -> str:
-    """The hardware constant holding `what` (bandwidth or latency) of the inter-node `algorithm`
-    all-reduce of `dtype` payloads among n workers, as `paraloom calibrate` measures it."""
+    """The hardware constant holding `what` (bandwidth, latency or cpu_s_per_byte) of the inter-node
+    `algorithm` all-reduce of `dtype` payloads among n workers, as `paraloom calibrate` measures it."""
     return f"allreduce.n{n}.{dtype}.{algorithm}.{what}"

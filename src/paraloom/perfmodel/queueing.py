@@ -30,15 +30,21 @@ def mva_cycle(customers: int, demands: Sequence[float], delay: float) -> float:
     return cycle
 
 
-def asp_cycle(workers: int, servers: int, push_s: float, pull_s: float, worker_s: float) -> float:
+def asp_cycle(workers: int, servers: int, push_s: float, pull_s: float, worker_s: float,
+              slices: int = 1) -> float:
     """Seconds per step of one asynchronous worker.
 
     `push_s`/`pull_s`: one worker's whole push or pull through one link (its bytes over the
     bandwidth). A push goes to all `servers` shards at once, so the servers' inbound links act as
     one station of `servers` times the capacity (demand push_s / servers), and likewise outbound;
     the rest of a transfer is the worker's own link, which only it uses: delay, as are its compute
-    and overhead (`worker_s`).
+    and overhead (`worker_s`). With `slices` > 1 messages per shard a worker's pull of one slice
+    overlaps its push of the next, so its push and pull visit the servers' links as one station
+    whose demand is the longer transfer and the last slice of the shorter (as `network.ps_time`).
     """
-    demands = [push_s / servers, pull_s / servers]
-    own = (push_s - push_s / servers) + (pull_s - pull_s / servers)
-    return mva_cycle(workers, demands, worker_s + own)
+    if slices <= 1:
+        demands = [push_s / servers, pull_s / servers]
+        own = (push_s - push_s / servers) + (pull_s - pull_s / servers)
+        return mva_cycle(workers, demands, worker_s + own)
+    both = max(push_s, pull_s) + min(push_s, pull_s) / slices
+    return mva_cycle(workers, [both / servers], worker_s + both - both / servers)

@@ -8,6 +8,7 @@ parameter server's consistency modes. Every figure is for one step of `global_ba
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from paraloom.errors import UserError
@@ -101,6 +102,7 @@ class Options:
     bucket_mb: float = 25.0
     first_bucket_mb: float = 1.0
     partition_mb: float = 2.0
+    ps_partition_mb: float = 0.5  # a parameter server's shard travels as slices of at most this
     shard_optimizer: bool = False
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
 
@@ -273,7 +275,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
         pull = link.latency + grad_bytes / link.bandwidth
         own = pipeline + codec + data + overhead
-        step = asp_cycle(plan.dp, plan.servers, push, pull, own)
+        step = asp_cycle(plan.dp, plan.servers, push, pull, own, _ps_slices(grad_bytes, plan, opts))
         dp_exposed = step - own
     straggler = 0.0
     if opts.straggler > 1 and plan.dp > 1:
@@ -296,6 +298,11 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
                     breakdown=breakdown)
 
 
+def _ps_slices(grad_bytes: float, plan: Plan, opts: Options) -> int:
+    """Messages per server shard and step (parameter_server/shard.slice_layout, fp32 parameters)."""
+    return max(1, math.ceil(grad_bytes / plan.servers / (opts.ps_partition_mb * 2**20)))
+
+
 def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
              fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float]:
     """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
@@ -305,7 +312,8 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     start, stop = stage
     if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
         push = compressed_bytes(grad_bytes, plan.compressor)
-        total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push)
+        total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push,
+                        slices=_ps_slices(grad_bytes, plan, opts))
         return max(0.0, total - sum(bwd[start:stop])), total
 
     def send(nbytes: float) -> float:
