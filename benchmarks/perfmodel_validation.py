@@ -10,8 +10,9 @@
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
-   Step time is the steady state: the last logged interval (data parallel), the median step
-   (tensor and pipeline), all workers' throughput (parameter server).
+   Step time is the steady state: the median of the logged 10-step intervals after the first
+   (data parallel), the median step (tensor and pipeline), all workers' throughput (parameter
+   server).
 3. Report per configuration the predicted and measured step time and the relative error; per
    group (same model, workers and link) whether the predicted fastest is the measured fastest
    (or within 5% of it).
@@ -88,7 +89,8 @@ def measured_step(run: Path, batch: int) -> float:
         return summary["step_seconds"]
     if "servers" in summary:  # parameter server: every worker's throughput
         return batch / summary["samples_per_second"]
-    return batch / rows[-1]["samples_per_s"]
+    # data parallel: the median of the logged intervals after the first (warm-up), not the last alone
+    return batch / statistics.median(row["samples_per_s"] for row in rows[1:] or rows)
 
 
 def measure(quick: bool, console: Console) -> dict[str, Any]:

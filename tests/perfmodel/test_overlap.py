@@ -74,3 +74,7 @@ def test_mean_value_analysis_by_hand():
     r2 = 0.8 * (1 + 0.8 / 0.85)
     assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=7) == pytest.approx(r2 + 0.05)
     assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=1) == pytest.approx(cycle)
+    # the servers' CPU as one more station (0.3 s a visit): two stations of 0.8 and 0.3
+    q = [0.8 / 1.15, 0.3 / 1.15]
+    expected = 0.8 * (1 + q[0]) + 0.3 * (1 + q[1]) + 0.05
+    assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=7, server_cpu_s=0.3) == pytest.approx(expected)

@@ -102,6 +102,43 @@ def test_an_all_reduce_measured_at_the_groups_size_and_wire_dtype_replaces_the_i
         assert estimate(model(), hw, plan, 40).step_s == pytest.approx(plain.step_s)
 
 
+def test_the_all_reduces_cpu_work_is_not_hidden_behind_backward():
+    """Wait-free hides half of a 0.12 s all-reduce behind backward (a bucket per layer); with the
+    all-reduce measured busy on the CPU for 0.06 s (half its time), half the hidden part comes
+    back. fp16 all-reduces half the bytes with the fp16 constant."""
+    per_layer = Options(bucket_mb=4000 / 2**20, first_bucket_mb=4000 / 2**20)
+    plan = Plan(dp=4, scheduler="wait_free", algorithm="native")
+    link = {"allreduce.n4.float32.native.bandwidth": 2e5, "allreduce.n4.float32.native.latency": 0.0}
+    plain = estimate(model(), hardware(**link), plan, 40, per_layer)
+    total, exposed = plain.breakdown["dp_comm_total"], plain.breakdown["dp_comm_exposed"]
+    assert total == pytest.approx(0.12) and exposed == pytest.approx(0.06)
+    cpu = {"allreduce.n4.float32.native.cpu_s_per_byte": 0.06 / 16000}
+    busy = estimate(model(), hardware(**link, **cpu), plan, 40, per_layer)
+    assert busy.breakdown["dp_comm_exposed"] == pytest.approx(exposed + (total - exposed) * 0.5)
+    assert busy.step_s == pytest.approx(plain.step_s + (total - exposed) * 0.5)
+    fp16 = Plan(dp=4, scheduler="fifo", algorithm="native", compressor="fp16")
+    fp16_cpu = {"allreduce.n4.float16.native.cpu_s_per_byte": 1.0}  # more than the whole all-reduce
+    fifo = estimate(model(), hardware(**link, **fp16_cpu), fp16, 40, per_layer)  # nothing hidden
+    assert fifo.breakdown["dp_comm_exposed"] == pytest.approx(fifo.breakdown["dp_comm_total"])
+
+
+def test_a_parameter_server_moving_bytes_with_its_cpu_bounds_the_bsp_step():
+    """16 KB of gradients, 4 workers, 1 server, links fast enough to be no limit: the server's CPU
+    moves 4 x (16 KB in + 16 KB out) at 1 us a byte (half the 2-worker all-reduce's 2 us per byte
+    of tensor) = 0.128 s, which the step pays beyond backward's 0.08 s."""
+    plan = Plan(dp=4, servers=1, consistency="bsp")
+    fast = estimate(model(), hardware(inter_bw=1e12), plan, 40)
+    assert fast.breakdown["dp_comm_total"] < 1e-6
+    cpu = hardware(inter_bw=1e12, **{"allreduce.n2.float32.native.cpu_s_per_byte": 2e-6})
+    busy = estimate(model(), cpu, plan, 40)
+    assert busy.breakdown["dp_comm_total"] == pytest.approx(0.128)
+    # the worker's own 32 KB (0.032 s of CPU, a quarter of the total) are not hidden by backward
+    exposed = 0.128 - 0.08
+    assert busy.breakdown["dp_comm_exposed"] == pytest.approx(exposed + (0.128 - exposed) * 0.25)
+    asp = Plan(dp=4, servers=1, consistency="asp")
+    assert estimate(model(), cpu, asp, 40).step_s > estimate(model(), hardware(inter_bw=1e12), asp, 40).step_s
+
+
 def test_straggler_slows_bsp_but_not_asp():
     hw = hardware(inter_bw=1e9)
     opts = Options(straggler=2.0)

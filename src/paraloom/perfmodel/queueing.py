@@ -31,7 +31,7 @@ def mva_cycle(customers: int, demands: Sequence[float], delay: float) -> float:
 
 
 def asp_cycle(workers: int, servers: int, push_s: float, pull_s: float, worker_s: float,
-              slices: int = 1) -> float:
+              slices: int = 1, server_cpu_s: float = 0.0) -> float:
     """Seconds per step of one asynchronous worker.
 
     `push_s`/`pull_s`: one worker's whole push or pull through one link (its bytes over the
@@ -41,10 +41,13 @@ def asp_cycle(workers: int, servers: int, push_s: float, pull_s: float, worker_s
     and overhead (`worker_s`). With `slices` > 1 messages per shard a worker's pull of one slice
     overlaps its push of the next, so its push and pull visit the servers' links as one station
     whose demand is the longer transfer and the last slice of the shorter (as `network.ps_time`).
+    `server_cpu_s`: the CPU seconds the servers spend on one worker's push and pull (moving its
+    bytes; the servers together, one more station) where that CPU is what they wait on.
     """
+    cpu = [server_cpu_s] if server_cpu_s > 0 else []
     if slices <= 1:
         demands = [push_s / servers, pull_s / servers]
         own = (push_s - push_s / servers) + (pull_s - pull_s / servers)
-        return mva_cycle(workers, demands, worker_s + own)
+        return mva_cycle(workers, demands + cpu, worker_s + own)
     both = max(push_s, pull_s) + min(push_s, pull_s) / slices
-    return mva_cycle(workers, [both / servers], worker_s + both - both / servers)
+    return mva_cycle(workers, [both / servers, *cpu], worker_s + both - both / servers)

@@ -275,7 +275,10 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
         pull = link.latency + grad_bytes / link.bandwidth
         own = pipeline + codec + data + overhead
-        step = asp_cycle(plan.dp, plan.servers, push, pull, own, _ps_slices(grad_bytes, plan, opts))
+        pushed = compressed_bytes(grad_bytes, plan.compressor)
+        server_cpu = (pushed + grad_bytes) / plan.servers * _tcp_cpu_per_byte(hw)
+        step = asp_cycle(plan.dp, plan.servers, push, pull, own, _ps_slices(grad_bytes, plan, opts),
+                         server_cpu_s=server_cpu)
         dp_exposed = step - own
     straggler = 0.0
     if opts.straggler > 1 and plan.dp > 1:
@@ -314,7 +317,13 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         push = compressed_bytes(grad_bytes, plan.compressor)
         total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push,
                         slices=_ps_slices(grad_bytes, plan, opts))
-        return max(0.0, total - sum(bwd[start:stop])), total
+        per_byte = _tcp_cpu_per_byte(hw)  # a server moves every worker's bytes of its shard with its CPU
+        total = max(total, plan.dp * (push + grad_bytes) / plan.servers * per_byte)
+        exposed = max(0.0, total - sum(bwd[start:stop]))
+        worker_cpu = (push + grad_bytes) * per_byte
+        if worker_cpu > 0:  # as for the all-reduce below: the hidden part hides no CPU work
+            exposed += max(0.0, total - exposed) * min(1.0, worker_cpu / total)
+        return exposed, total
 
     def send(nbytes: float) -> float:
         if plan.compressor == "none":
@@ -334,7 +343,28 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         exposed = overlap.priority_exposed(layers, send, opts.partition_mb * 2**20)
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
+    cpu = _comm_cpu(hw, plan, grad_bytes)
+    if cpu > 0 and total > 0:  # the hidden part hides its waiting on the wire, not its CPU work
+        exposed += max(0.0, total - exposed) * min(1.0, cpu / total)
     return exposed, total
+
+
+def _tcp_cpu_per_byte(hw: Hardware) -> float:
+    """A process's CPU seconds per byte it sends or receives point to point: half the 2-worker
+    fp32 all-reduce's per byte of tensor (each of the two sends and receives the whole tensor
+    once; its sums are a small part); 0 where not measured."""
+    return hw.constants.get(group_key(2, "float32", "native", "cpu_s_per_byte"), 0.0) / 2
+
+
+def _comm_cpu(hw: Hardware, plan: Plan, grad_bytes: float) -> float:
+    """A worker's CPU seconds in one step's all-reduce (`allreduce.n<dp>.<dtype>.<algorithm>.
+    cpu_s_per_byte`, measured by `paraloom calibrate` on an emulated cluster, where the kernel's
+    TCP and gloo's sums run on the cores the workers compute on); 0 where not measured."""
+    if plan.compressor not in ("none", *WIRE_DTYPE):
+        return 0.0
+    dtype = WIRE_DTYPE.get(plan.compressor, "float32")
+    per_byte = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "cpu_s_per_byte"), 0.0)
+    return per_byte * grad_bytes * (0.5 if dtype != "float32" else 1.0)
 
 
 def _codec(hw: Hardware, compressor: str, grad_bytes: float) -> float:
