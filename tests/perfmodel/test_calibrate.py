@@ -111,3 +111,29 @@ def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(m
 def test_calibrate_group_sizes_are_checked(tmp_path, capsys, sizes, message):
     assert main(["calibrate", "--out", str(tmp_path / "h.yaml"), "--group-sizes", sizes]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeypatch):
+    """At 10 Gbit/s the token bucket holds 2.5 MB: fit on 10 MB and up, and sweep to 64 MiB; at
+    1 Gbit/s and below 1 MiB is past it already."""
+    from types import SimpleNamespace
+
+    from paraloom.perfmodel import calibrate as cal
+
+    def cluster(rate_bits):
+        return SimpleNamespace(spec=SimpleNamespace(rate_bits=rate_bits))
+
+    assert cal.sustained_bytes(None) == cal.sustained_bytes(cluster(10**9)) == 1 << 20
+    assert cal.sustained_bytes(cluster(10**10)) == 10**7
+    swept = {}
+
+    def fake_run(sizes, **kw):
+        swept["sizes"] = sizes
+        rows = [{"bytes": s, "seconds": 1e-4 + s / 1e9} for s in sizes]  # alpha-beta exact: 1 GB/s
+        return {"results": rows, "config": {"world_size": 2}}
+
+    monkeypatch.setattr("paraloom.comm.bench.run_collectives", fake_run)
+    alpha, bandwidth, _ = cal.measure_link(cluster(10**10), algorithm="native")
+    assert swept["sizes"][-1] == 2**26 and bandwidth == pytest.approx(1e9 * 2 * (2 - 1) / 2, rel=0.05)
+    cal.measure_link(cluster(10**9), algorithm="native")
+    assert swept["sizes"][-1] == 2**24

@@ -65,6 +65,11 @@ def _read_rate(name: str) -> int:
     return int(float(match.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[match.group(2)])
 
 
+def burst_bytes(rate_bits: int) -> int:
+    """The token bucket every shaped link gets: 2 ms of traffic at its rate, at least 32 KiB."""
+    return max(rate_bits // 8 // 500, 32 * 1024)
+
+
 class EmulatedCluster:
     """Bring a cluster up and down; as a context manager it always comes down, on error or signal."""
 
@@ -140,7 +145,7 @@ class EmulatedCluster:
 
     def _shape(self, ns: str, dev: str) -> None:
         rate = self.spec.rate_bits
-        burst = max(rate // 8 // 500, 32 * 1024)  # 2 ms of traffic, at least 32 KiB
+        burst = burst_bytes(rate)
         _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
             "rate", f"{rate}bit", "burst", str(burst), "latency", "20ms")
 
