@@ -6,8 +6,8 @@ reply for each slice of the shard (a slice has state of its own: parameters, opt
 version; `serve` runs all of one process's slices). Every worker's next request of every slice
 has a receive posted for it (a thread per worker and slice waits on it), so all gradients stream
 in at once; the server handles them one at a time in the order they arrive (its state needs no
-lock). A single any-source receive would let gloo
-stall every sender but the one it matched, and the links would idle between messages.
+lock). A single any-source receive would let gloo stall every sender but the one it matched,
+and the links would idle between messages.
 
 BSP sums the W pushes of a clock and takes one optimizer step with their mean — the update of
 synchronous all-reduce SGD. ASP and SSP take a step per push, with the gradient divided by W
@@ -155,6 +155,8 @@ class ParameterServer:
 def serve(slices: list[ParameterServer]) -> dict[str, Any]:
     """Serve one process's slices (slice j has slot j) until every worker has said it is done to
     each; returns the server's metrics, summed over its slices (a push is one slice's gradient)."""
+    if [s.slot for s in slices] != list(range(len(slices))):
+        raise ValueError(f"slices must come in slot order 0..{len(slices) - 1}")
     cpu = time.process_time()
     inbox = Inbox([s.codec for s in slices], slices[0].workers, slices[0].token)
     active = len(slices) * len(slices[0].workers)
