@@ -114,8 +114,8 @@ def test_calibrate_group_sizes_are_checked(tmp_path, capsys, sizes, message):
 
 
 def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeypatch):
-    """At 10 Gbit/s the token bucket holds 2.5 MB: fit on 10 MB and up, and sweep to 64 MiB; at
-    1 Gbit/s and below 1 MiB is past it already."""
+    """At 10 Gbit/s the token bucket holds 2.5 MB: fit on 40 MB and up, and sweep to 64 MiB; at
+    1 Gbit/s (250 KB) on 4 MB and up; at 100 Mbit/s (32 KiB) on 1 MiB and up."""
     from types import SimpleNamespace
 
     from paraloom.perfmodel import calibrate as cal
@@ -123,8 +123,9 @@ def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeyp
     def cluster(rate_bits):
         return SimpleNamespace(spec=SimpleNamespace(rate_bits=rate_bits))
 
-    assert cal.sustained_bytes(None) == cal.sustained_bytes(cluster(10**9)) == 1 << 20
-    assert cal.sustained_bytes(cluster(10**10)) == 10**7
+    assert cal.sustained_bytes(None) == cal.sustained_bytes(cluster(10**8)) == 1 << 20
+    assert cal.sustained_bytes(cluster(10**9)) == 4 * 10**6
+    assert cal.sustained_bytes(cluster(10**10)) == 4 * 10**7
     swept = {}
 
     def fake_run(sizes, **kw):
@@ -135,5 +136,5 @@ def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeyp
     monkeypatch.setattr("paraloom.comm.bench.run_collectives", fake_run)
     alpha, bandwidth, _ = cal.measure_link(cluster(10**10), algorithm="native")
     assert swept["sizes"][-1] == 2**26 and bandwidth == pytest.approx(1e9 * 2 * (2 - 1) / 2, rel=0.05)
-    cal.measure_link(cluster(10**9), algorithm="native")
+    cal.measure_link(cluster(10**9), algorithm="native")  # fitted on 4 and 16 MiB
     assert swept["sizes"][-1] == 2**24

@@ -119,13 +119,15 @@ def measure_link(cluster=None, nproc: int = 2, dtype: str = "float32",
 
 def sustained_bytes(cluster=None) -> int:
     """The smallest all-reduce whose time the sustained bandwidth is fitted on: 1 MiB, or on an
-    emulated cluster 4x its links' token bucket (at 10 Gbit/s the 2.5 MB burst lets a 16 MB
-    transfer through at an apparent 1.5 GB/s, above the line rate; the sweep then goes to 64 MiB)."""
+    emulated cluster 16x its links' token bucket, where the burst is worth at most ~6% (at
+    10 Gbit/s the 2.5 MB bucket let a 16 MB transfer through at an apparent 1.6 GB/s, above the
+    line rate; at 1 Gbit/s the 250 KB one a 1 MiB transfer at 132 MB/s). Sizes past 4 MiB make
+    the sweep go to 64 MiB."""
     if cluster is None:
         return 1 << 20
     from paraloom.cluster.emulated import burst_bytes
 
-    return max(1 << 20, 4 * burst_bytes(cluster.spec.rate_bits))
+    return max(1 << 20, 16 * burst_bytes(cluster.spec.rate_bits))
 
 
 def measure_groups(clusters) -> dict[str, float]:
