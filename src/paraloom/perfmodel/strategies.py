@@ -320,10 +320,7 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         per_byte = _tcp_cpu_per_byte(hw)  # a server moves every worker's bytes of its shard with its CPU
         total = max(total, plan.dp * (push + grad_bytes) / plan.servers * per_byte)
         exposed = max(0.0, total - sum(bwd[start:stop]))
-        worker_cpu = (push + grad_bytes) * per_byte
-        if worker_cpu > 0:  # as for the all-reduce below: the hidden part hides no CPU work
-            exposed += max(0.0, total - exposed) * min(1.0, worker_cpu / total)
-        return exposed, total
+        return _unhidden_cpu(exposed, total, (push + grad_bytes) * per_byte), total
 
     def send(nbytes: float) -> float:
         if plan.compressor == "none":
@@ -343,10 +340,15 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         exposed = overlap.priority_exposed(layers, send, opts.partition_mb * 2**20)
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
-    cpu = _comm_cpu(hw, plan, grad_bytes)
-    if cpu > 0 and total > 0:  # the hidden part hides its waiting on the wire, not its CPU work
-        exposed += max(0.0, total - exposed) * min(1.0, cpu / total)
-    return exposed, total
+    return _unhidden_cpu(exposed, total, _comm_cpu(hw, plan, grad_bytes)), total
+
+
+def _unhidden_cpu(exposed: float, total: float, cpu: float) -> float:
+    """Exposed communication seconds once its CPU work is counted: the part that overlaps
+    backward hides its waiting on the wire, not the share `cpu / total` it keeps the CPU busy."""
+    if cpu <= 0 or total <= 0:
+        return exposed
+    return exposed + max(0.0, total - exposed) * min(1.0, cpu / total)
 
 
 def _tcp_cpu_per_byte(hw: Hardware) -> float:

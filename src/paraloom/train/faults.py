@@ -153,7 +153,7 @@ class FaultInjector:
         """Between forward and backward of `step`: sleep (factor - 1) x the step's computation if
         this rank is slow in it, the computation estimated as the last step's forward and backward
         (the first step's as 3x its forward). Returns the seconds slept."""
-        factor = self.slow_factor(step) if self.slow else 1.0
+        factor = self.slow_factor(step)
         if factor <= 1.0:
             return 0.0
         estimate = self.compute_seconds if self.compute_seconds is not None else 3.0 * forward_seconds
