@@ -9,11 +9,14 @@ from paraloom.data_parallel import DataParallel, DataParallelNaive
 from paraloom.train.guards import is_comm_failure, peer_failure
 
 
-def _guarded_steps(rank, world, options, naive):
+def _guarded_steps(rank, world, options, naive, flag_group=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     engine = DataParallelNaive(model) if naive else DataParallel(model, **options)
-    engine.guard_nonfinite()
+    if flag_group:  # the flag path: a one-byte all-reduce per step on the given group
+        engine.guard_nonfinite(group=torch.distributed.new_group([0, 1]))
+    else:
+        engine.guard_nonfinite()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     y = torch.tensor([0, 1, 2, 0])
@@ -36,13 +39,14 @@ def _guarded_steps(rank, world, options, naive):
     return outcomes, snapshots, finite, residual_ok, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("options,naive", [({}, False), ({"scheduler": "priority", "partition_mb": 0.0005},
-                                                         False),
-                                           ({"compressor": "topk", "compressor_options": {"density": 0.5}},
-                                            False), ({}, True)],
-                         ids=["wait_free", "priority", "topk", "naive"])
-def test_nan_on_one_rank_skips_the_step_everywhere(options, naive):
-    results = run_workers(_guarded_steps, 2, options, naive)
+@pytest.mark.parametrize("options,naive,flag_group",
+                         [({}, False, False), ({"scheduler": "fifo"}, False, False), ({}, False, True),
+                          ({"scheduler": "priority", "partition_mb": 0.0005}, False, False),
+                          ({"compressor": "topk", "compressor_options": {"density": 0.5}}, False, False),
+                          ({}, True, False)],
+                         ids=["wait_free", "fifo", "wait_free_flag", "priority", "topk", "naive"])
+def test_nan_on_one_rank_skips_the_step_everywhere(options, naive, flag_group):
+    results = run_workers(_guarded_steps, 2, options, naive, flag_group)
     for outcomes, unchanged, finite, residual_ok, _ in results:
         assert outcomes == [True, False, True, True]
         if "scheduler" not in options:  # priority applies each update in the next forward
@@ -54,6 +58,36 @@ def test_nan_on_one_rank_skips_the_step_everywhere(options, naive):
         plain = run_workers(_guarded_steps, 2, {}, False)
         for a, b in zip(results[0][4], plain[0][4], strict=True):
             torch.testing.assert_close(a, b)
+
+
+def _collectives_per_step(rank, world, guarded):
+    calls = []
+    real = torch.distributed.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    engine = DataParallel(model, first_bucket_mb=0.0)
+    if guarded:
+        engine.guard_nonfinite()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.distributed.all_reduce = counting
+    try:
+        F.cross_entropy(engine(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+        engine.step(optimizer)
+    finally:
+        torch.distributed.all_reduce = real
+    return len(calls), len(engine.buckets)
+
+
+def test_the_guard_on_averaged_gradients_adds_no_collective():
+    """Plain averaging checks the sums every rank already holds: no flag all-reduce, no barrier."""
+    for guarded, unguarded in zip(run_workers(_collectives_per_step, 2, True),
+                                  run_workers(_collectives_per_step, 2, False), strict=True):
+        assert guarded == unguarded
+        assert guarded[0] == guarded[1]  # one all-reduce per bucket, nothing else
 
 
 def _accumulated_nan(rank, world, bad_microbatch):
@@ -100,3 +134,21 @@ def test_peer_failure_names_the_silent_rank():
     for text in (message[0], message[2]):
         assert text.startswith("rank 1 stopped answering")
         assert "step 7" in text and "gradient all-reduce" in text and "comm.timeout_s=1" in text
+
+
+def _finite_checks(rank, world):
+    engine = DataParallel(torch.nn.Linear(4, 2))
+    buffer = engine.buckets[0].buffer
+    out = []
+    for values in ([1.0, 2.0], [3e38, 3e38], [float("nan"), 1.0], [float("inf"), 1.0],
+                   [float("inf"), float("-inf")]):
+        buffer.zero_()
+        buffer[:2] = torch.tensor(values)
+        out.append(engine.gradients_finite())
+    engine.close()
+    return out
+
+
+def test_the_finite_check_of_averaged_gradients_is_exact():
+    """A finite bucket whose sum overflows is still finite; NaN, Inf and Inf - Inf are not."""
+    assert run_workers(_finite_checks, 2) == [[True, True, False, False, False]] * 2

@@ -17,6 +17,8 @@ from paraloom.data_parallel.modes import DONE, SyncMode
 
 
 class DelayedMode(SyncMode):
+    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+
     def __init__(self, engine, *, lr: float | None) -> None:
         super().__init__(engine)
         self.lr = lr  # local compensation step; None: the optimizer's learning rate

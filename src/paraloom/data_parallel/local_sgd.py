@@ -15,6 +15,8 @@ from paraloom.data_parallel.modes import SyncMode
 
 
 class LocalSGDMode(SyncMode):
+    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+
     def __init__(self, engine, *, local_steps: int, warmup: int) -> None:
         super().__init__(engine)
         self.local_steps = local_steps

@@ -30,6 +30,11 @@ DONE = _Completed()
 class SyncMode:
     """Synchronous data parallelism: average gradients, then one optimizer step on every rank."""
 
+    # After `sync_gradients` every rank holds the same averaged gradients, and a NaN or Inf on any
+    # rank is in them (NaN + x = NaN, Inf + finite = Inf, Inf - Inf = NaN): the non-finite guard can
+    # check those locally instead of all-reducing a flag. Modes that update from anything else say no.
+    guards_on_sums = True
+
     def __init__(self, engine) -> None:
         self.engine = engine
 
@@ -50,6 +55,15 @@ class SyncMode:
         self.engine.sync_gradients()
         optimizer.step()
         self.engine.zero_grad()
+
+    def step_if_finite(self, optimizer) -> bool:
+        """`step`, unless the averaged gradients hold NaN or Inf: then no update, on every rank alike."""
+        self.engine.sync_gradients()
+        finite = self.engine.gradients_finite()
+        if finite:
+            optimizer.step()
+        self.engine.zero_grad()
+        return finite
 
     def finish(self) -> None:
         pass

@@ -20,6 +20,8 @@ PROFILED_STEP = 1  # step 0 warms up allocators and caches; step 1 is timed; ste
 
 
 class PriorityMode(SyncMode):
+    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+
     def __init__(self, engine, *, credit_bytes: int) -> None:
         super().__init__(engine)
         self.credit_bytes = credit_bytes

@@ -24,6 +24,8 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 class ShardedMode(SyncMode):
+    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+
     def __init__(self, engine) -> None:
         super().__init__(engine)
         n, rank = engine.world_size, engine.rank
