@@ -6,7 +6,8 @@
    and beta across a 2-node emulated cluster, and per wire dtype (fp32, fp16, bf16) across a 2-
    and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.calibrate`); then refine the
    compute scale and per-step overhead from two single-worker runs (MLP and GPT on one thread),
-   which are not among the validated configurations.
+   and the parameter server's CPU per message from a BSP run on loopback (2 workers and a server);
+   none of the three is among the validated configurations.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -81,22 +82,10 @@ def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | 
     return out / name.replace(" ", "_")
 
 
-def measured_step(run: Path, batch: int) -> float:
-    """Steady-state seconds per step from a finished run directory."""
-    summary = json.loads((run / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
-    if "grid" in summary:  # tensor / pipeline parallel: median step of the run
-        return summary["step_seconds"]
-    if "servers" in summary:  # parameter server: every worker's throughput
-        return batch / summary["samples_per_second"]
-    # data parallel: the median of the logged intervals after the first (warm-up), not the last alone
-    return batch / statistics.median(row["samples_per_s"] for row in rows[1:] or rows)
-
-
 def measure(quick: bool, console: Console) -> dict[str, Any]:
     """Calibrate per link rate, then run every configuration; predictions are added by `predict`."""
     from paraloom.cluster import ClusterSpec, EmulatedCluster, parse_rate
-    from paraloom.perfmodel.calibrate import calibrate, refine
+    from paraloom.perfmodel.calibrate import calibrate, measured_step_seconds, refine
 
     configs = configurations(quick)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "hardware": {},
@@ -106,7 +95,8 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
         one_thread = dict(os.environ, OMP_NUM_THREADS="1")
         console.print("calibrating: two single-worker runs (refinement, not validated)")
         refine_runs = [train(out, "refine mlp", MLP, ["--nproc", "1"], one_thread),
-                       train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread)]
+                       train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread),
+                       train(out, "refine ps", [*MLP, *PS_VARIANTS["ps_bsp"]], ["--nproc", "2"])]
         for rate in sorted({c["rate"] for c in configs}):
             console.print(f"calibrating: compute and links at {rate}")
             sizes = sorted({c["workers"] for c in configs if c["rate"] == rate} - {2})
@@ -123,7 +113,7 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
             run = train(out, c["name"], c["args"], launch)
             config = yaml.safe_load((run / "config.yaml").read_text())
             report["configs"].append({**{k: c[k] for k in ("name", "group", "workers", "rate")},
-                                      "measured_s": measured_step(run, config["data"]["batch_size"]),
+                                      "measured_s": measured_step_seconds(run),
                                       "config": config})
     return report
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
@@ -12,6 +13,13 @@ from paraloom.comm.collectives import default_timeout
 from paraloom.errors import UserError
 
 AXES = ("pp", "dp", "tp")  # outermost to innermost: tp neighbours are adjacent ranks (Megatron order)
+
+
+def node_count(world: int) -> int:
+    """Nodes the run's `world` ranks are spread over: torchrun puts LOCAL_WORLD_SIZE on each (a run
+    launched on this machine alone is one node; one on an emulated cluster has one rank a node)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return max(1, world // max(1, local))
 
 
 class Coord(NamedTuple):

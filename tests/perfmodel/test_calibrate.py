@@ -1,6 +1,7 @@
 """Calibration: measured constants make a valid profile; refinement fits runs it is given."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -8,7 +9,7 @@ import yaml
 from paraloom.cli import main
 from paraloom.config import Config
 from paraloom.errors import UserError
-from paraloom.perfmodel.calibrate import build_profile, measure_compute, refine
+from paraloom.perfmodel.calibrate import build_profile, measure_compute, measured_step_seconds, refine
 from paraloom.perfmodel.from_config import predictable
 from paraloom.perfmodel.hardware import Hardware, Link, load_hardware
 from paraloom.perfmodel.profile import profile_model
@@ -60,6 +61,31 @@ def test_refine_recovers_a_compute_scale_and_an_overhead(tmp_path):
         e = estimate(profile_model(what.spec), refined, what.plan, what.global_batch, what.options)
         assert e.step_s == pytest.approx(seconds, rel=1e-2)  # the roofline max() may switch sides
     assert len(points) == 2
+
+
+def test_refine_takes_a_parameter_servers_cpu_per_message_from_a_ps_run(tmp_path):
+    """2 workers, 1 server of 17 slices, 100 steps, 10 MB pushed and pulled per worker and step on
+    one node: 2 GB moved at 1 ns a byte leave 3.4 s - 2 s = 1.4 s for 3,400 requests: 412 us each."""
+    hw = load_hardware("v100-10gbe")
+    hw = replace(hw, constants={**hw.constants, "tcp_cpu_s_per_byte.intra": 1e-9})
+    single = _fake_run(tmp_path, "single", {"model": {"name": "mlp"}, "parallel": {"nproc": 1}}, 0.02)
+    ps = _fake_run(tmp_path, "ps", {"model": {"name": "mlp"}, "parallel": {"nproc": 2, "mode": "ps"}}, 0.04)
+    summary = json.loads((ps / "summary.json").read_text())
+    summary.update({"steps": 100, "workers": 2, "servers": 1, "nodes": 1, "comm_bytes_per_step": 1e7,
+                    "servers_stats": [{"cpu_seconds": 3.4, "slices": 17}]})
+    (ps / "summary.json").write_text(json.dumps(summary))
+    refined, points = refine(hw, [single, ps])
+    assert refined.constants["ps.server_s_per_message"] == pytest.approx(1.4 / 3400)
+    assert points[-1]["server_cpu_s_per_step"] == pytest.approx(0.034)
+    alone, _ = refine(hw, [single])
+    assert refined.constants["step_overhead_s"] == alone.constants["step_overhead_s"]  # not in that fit
+
+
+def test_a_runs_step_is_the_median_logged_interval_after_the_first(tmp_path):
+    run = _fake_run(tmp_path, "dp", {"model": {"name": "mlp"}, "data": {"batch_size": 64}}, 1.0)
+    rates = [10.0, 6400.0, 3200.0, 640.0]  # a slow first interval (warm-up), then 10, 20 and 100 ms
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"samples_per_s": r}) + "\n" for r in rates))
+    assert measured_step_seconds(run) == pytest.approx(0.02)
 
 
 def test_refine_needs_finished_runs(tmp_path):

@@ -139,6 +139,22 @@ def test_a_parameter_server_moving_bytes_with_its_cpu_bounds_the_bsp_step():
     assert estimate(model(), cpu, asp, 40).step_s > estimate(model(), hardware(inter_bw=1e12), asp, 40).step_s
 
 
+def test_a_parameter_servers_cpu_per_message_adds_to_its_bytes():
+    """The same 16 KB, 4 workers: 4 layers of 4 KB travel as ceil(16 KB / 1 KB) = 16 slices with
+    ps_partition_mb = 1/1024, so the server handles 4 x 16 = 64 requests a step; at 1 ms each they
+    add 0.064 s to the 0.128 s of bytes. On one node the bytes cost loopback's TCP CPU instead."""
+    plan, opts = Plan(dp=4, servers=1, consistency="bsp"), Options(ps_partition_mb=1 / 1024)
+    cpu = {"allreduce.n2.float32.native.cpu_s_per_byte": 2e-6, "ps.server_s_per_message": 1e-3}
+    busy = estimate(model(), hardware(inter_bw=1e12, **cpu), plan, 40, opts)
+    assert busy.breakdown["dp_comm_total"] == pytest.approx(0.128 + 0.064)
+    local = hardware(per_node=4, intra_bw=1e12, **cpu, **{"tcp_cpu_s_per_byte.intra": 0.5e-6})
+    assert estimate(model(), local, plan, 40, opts).breakdown["dp_comm_total"] == pytest.approx(0.064 + 0.064)
+    asp = Plan(dp=4, servers=1, consistency="asp")
+    without = hardware(inter_bw=1e12, **{"allreduce.n2.float32.native.cpu_s_per_byte": 2e-6})
+    assert estimate(model(), hardware(inter_bw=1e12, **cpu), asp, 40, opts).step_s > \
+        estimate(model(), without, asp, 40, opts).step_s
+
+
 def test_straggler_slows_bsp_but_not_asp():
     hw = hardware(inter_bw=1e9)
     opts = Options(straggler=2.0)

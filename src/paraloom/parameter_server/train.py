@@ -32,6 +32,7 @@ from paraloom.parameter_server.message import PushCodec, run_token
 from paraloom.parameter_server.server import ParameterServer, serve
 from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.worker import PSClient
+from paraloom.topology import node_count
 from paraloom.train.faults import FaultInjector, parse_faults
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
@@ -168,6 +169,7 @@ def train_ps(cfg: Config, run_dir: Path | None, *, device: torch.device,
     summary = {
         "test_accuracy": accuracy, "final_loss": loss_value, "steps": step, "epochs": cfg.optim.epochs,
         "samples": samples, "world_size": world, "workers": n_workers, "servers": n_servers,
+        "nodes": node_count(world),  # hosts or emulated nodes: which link the run used
         "consistency": cfg.ps.consistency, "staleness_bound": cfg.ps.staleness,
         "wall_seconds": time.time() - started_at, "train_seconds": train_seconds,
         "samples_per_second": all_workers_throughput(timelines),

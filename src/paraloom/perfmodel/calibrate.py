@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
+from paraloom.perfmodel.strategies import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_cpu_per_byte
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
@@ -130,6 +131,13 @@ def sustained_bytes(cluster=None) -> int:
     return max(1 << 20, 16 * burst_bytes(cluster.spec.rate_bits))
 
 
+def tcp_cpu_from_rows(rows: list[dict[str, Any]]) -> float:
+    """A process's CPU seconds per byte it sends or receives, from a 2-process all-reduce's rows
+    (sizes of 1 MiB and up, median): each process sends and receives the whole tensor once, and
+    its sums are a small part of the work."""
+    return statistics.median(r["cpu_seconds"] / r["bytes"] for r in rows if r["bytes"] >= 1 << 20) / 2
+
+
 def measure_groups(clusters) -> dict[str, float]:
     """gloo's own all-reduce (`comm.algorithm=native`, the engine's default) across each emulated
     cluster (n = its node count) for each wire dtype, as `group_key` constants: n processes sharing
@@ -180,7 +188,7 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
     progress("links: ring all-reduce and one TCP stream on loopback")
     alpha, bandwidth, loop_rows = measure_link(None, nproc=2)
     intra = Link("loopback", bandwidth, alpha)
-    links = {"p2p_bandwidth.intra": measure_p2p(None)}
+    links = {"p2p_bandwidth.intra": measure_p2p(None), TCP_CPU_INTRA: tcp_cpu_from_rows(loop_rows)}
     inter, inter_rows = intra, []
     if cluster is not None:
         progress(f"links: ring all-reduce and one TCP stream across {cluster.nodes} emulated nodes")
@@ -203,16 +211,33 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
 def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str, float]]]:
     """Fit measured = a * compute + (predicted - compute) + c over runs; divide efficiency by a, add c.
 
-    One run fixes a alone (c = 0); two or more give both by least squares.
+    One run fixes a alone (c = 0); two or more give both by least squares. Parameter-server runs
+    are not in that fit: each gives the servers' CPU seconds per message (`ps.server_s_per_message`,
+    averaged over them), what their CPU time per step leaves once every byte they moved is charged
+    at the run's link's TCP cost (`server_cpu_per_message`).
     """
     from paraloom.perfmodel.profile import profile_model
     from paraloom.perfmodel.strategies import estimate
 
+    summaries = {run: _finished(run)[0] for run in run_dirs}
+    ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
     points = []
     for run in run_dirs:
+        if run in ps_runs:
+            continue
         measured, pred = _measured_and_predicted(run, hw, profile_model, estimate)
         points.append({"run": str(run), "measured_s": measured, "predicted_s": pred.step_s,
                        "compute_s": pred.breakdown["compute"]})
+    refined = _fit_compute(hw, points) if points else hw
+    if ps_runs:
+        per_message = [server_cpu_per_message(summaries[run], refined) for run in ps_runs]
+        points += [{"run": str(run), **m} for run, m in zip(ps_runs, per_message, strict=True)]
+        value = statistics.fmean(m["server_s_per_message"] for m in per_message)
+        refined = replace(refined, constants={**refined.constants, SERVER_PER_MESSAGE: max(0.0, value)})
+    return refined, points
+
+
+def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
     xs = [p["compute_s"] for p in points]
     ys = [p["measured_s"] - (p["predicted_s"] - p["compute_s"]) for p in points]
     if len(points) == 1 or len(set(xs)) == 1:
@@ -231,21 +256,60 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     efficiency = {k: v / max(1.0, top) for k, v in efficiency.items()}
     device = replace(hw.device, efficiency=efficiency, peak_flops=peak)
     overhead = hw.constants.get("step_overhead_s", 0.0) + c
-    refined = replace(hw, device=device, constants={**hw.constants, "step_overhead_s": overhead})
-    return refined, points
+    return replace(hw, device=device, constants={**hw.constants, "step_overhead_s": overhead})
 
 
-def _measured_and_predicted(run: Path, hw: Hardware, profile_model, estimate):
+def server_cpu_per_message(summary: dict[str, Any], hw: Hardware) -> dict[str, float]:
+    """A parameter-server run's servers' CPU seconds per request (a push or a read of one slice,
+    answered by one reply), once the TCP cost of the bytes they moved is taken out.
+
+    A server's CPU also decodes, sums, updates and copies its shard, and wakes a thread per
+    message; those costs scale with messages, not with the link. Bytes moved per step: every
+    worker's push and pull (`comm_bytes_per_step`), spread over the servers; TCP CPU per byte:
+    loopback's for a run on one node, else half the 2-node all-reduce's (`strategies`).
+    """
+    steps, workers = summary["steps"], summary["workers"]
+    stats = summary["servers_stats"]
+    cpu = sum(s["cpu_seconds"] for s in stats)
+    messages = sum(s["slices"] for s in stats) * workers * steps
+    moved = summary["comm_bytes_per_step"] * workers * steps
+    per_byte = tcp_cpu_per_byte(hw, inter=summary.get("nodes", 1) > 1)
+    return {"server_cpu_s_per_step": cpu / steps / len(stats),
+            "server_s_per_message": (cpu - moved * per_byte) / messages}
+
+
+def measured_step_seconds(run: Path) -> float:
+    """A finished run's steady-state seconds per step: the median step (tensor and pipeline runs),
+    all workers' throughput (parameter server), or the median of the logged intervals after the
+    first (data parallel: the first holds the warm-up)."""
+    summary, cfg = _finished(run)
+    if "grid" in summary:
+        return summary["step_seconds"]
+    if "servers" in summary:
+        return cfg.data.batch_size / summary["samples_per_second"]
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    rows = [json.loads(line) for line in lines if line]
+    rates = [row["samples_per_s"] for row in rows[1:] or rows]
+    if not rates:
+        return summary.get("step_seconds") or cfg.data.batch_size / summary["samples_per_second"]
+    return cfg.data.batch_size / statistics.median(rates)
+
+
+def _finished(run: Path):
     from paraloom.config import load_config
-    from paraloom.perfmodel.from_config import predictable
 
     summary_path, config_path = run / "summary.json", run / "config.yaml"
     if not summary_path.is_file() or not config_path.is_file():
         raise UserError(f"{str(run)!r} is not a finished run directory (summary.json and config.yaml)")
-    summary = json.loads(summary_path.read_text())
-    cfg = load_config(str(config_path), [])
+    return json.loads(summary_path.read_text()), load_config(str(config_path), [])
+
+
+def _measured_and_predicted(run: Path, hw: Hardware, profile_model, estimate):
+    from paraloom.perfmodel.from_config import predictable
+
+    summary, cfg = _finished(run)
     world = int(summary.get("world_size") or cfg.parallel.nproc)
     what = predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0))
-    measured = summary.get("step_seconds") or cfg.data.batch_size / summary["samples_per_second"]
     profile = profile_model(what.spec, recompute=what.recompute)
-    return measured, estimate(profile, hw, what.plan, what.global_batch, what.options)
+    return measured_step_seconds(run), estimate(profile, hw, what.plan, what.global_batch, what.options)

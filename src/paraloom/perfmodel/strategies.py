@@ -28,6 +28,8 @@ CONSISTENCY = ("bsp", "asp", "ssp")
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
 # weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
 UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
+TCP_CPU_INTRA = "tcp_cpu_s_per_byte.intra"  # a process's CPU per byte over loopback (paraloom calibrate)
+SERVER_PER_MESSAGE = "ps.server_s_per_message"  # a parameter server's CPU per request, bytes aside
 WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
 
 
@@ -276,7 +278,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         pull = link.latency + grad_bytes / link.bandwidth
         own = pipeline + codec + data + overhead
         pushed = compressed_bytes(grad_bytes, plan.compressor)
-        server_cpu = (pushed + grad_bytes) / plan.servers * _tcp_cpu_per_byte(hw)
+        server_cpu = _server_cpu(hw, plan, opts, pushed, grad_bytes) / plan.dp  # per worker's cycle
         step = asp_cycle(plan.dp, plan.servers, push, pull, own, _ps_slices(grad_bytes, plan, opts),
                          server_cpu_s=server_cpu)
         dp_exposed = step - own
@@ -317,10 +319,10 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         push = compressed_bytes(grad_bytes, plan.compressor)
         total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push,
                         slices=_ps_slices(grad_bytes, plan, opts))
-        per_byte = _tcp_cpu_per_byte(hw)  # a server moves every worker's bytes of its shard with its CPU
-        total = max(total, plan.dp * (push + grad_bytes) / plan.servers * per_byte)
+        total = max(total, _server_cpu(hw, plan, opts, push, grad_bytes))  # a server's CPU is one too
         exposed = max(0.0, total - sum(bwd[start:stop]))
-        return _unhidden_cpu(exposed, total, (push + grad_bytes) * per_byte), total
+        own = (push + grad_bytes) * tcp_cpu_per_byte(hw, _crosses(hw, plan))  # a worker's own CPU
+        return _unhidden_cpu(exposed, total, own), total
 
     def send(nbytes: float) -> float:
         if plan.compressor == "none":
@@ -351,11 +353,30 @@ def _unhidden_cpu(exposed: float, total: float, cpu: float) -> float:
     return exposed + max(0.0, total - exposed) * min(1.0, cpu / total)
 
 
-def _tcp_cpu_per_byte(hw: Hardware) -> float:
-    """A process's CPU seconds per byte it sends or receives point to point: half the 2-worker
-    fp32 all-reduce's per byte of tensor (each of the two sends and receives the whole tensor
-    once; its sums are a small part); 0 where not measured."""
-    return hw.constants.get(group_key(2, "float32", "native", "cpu_s_per_byte"), 0.0) / 2
+def tcp_cpu_per_byte(hw: Hardware, inter: bool = True) -> float:
+    """A process's CPU seconds per byte it sends or receives point to point: across nodes half the
+    2-worker fp32 all-reduce's per byte of tensor (each of the two sends and receives the whole
+    tensor once; its sums are a small part), on one node `tcp_cpu_s_per_byte.intra` (loopback's,
+    the same way); 0 where not measured."""
+    if inter:
+        return hw.constants.get(group_key(2, "float32", "native", "cpu_s_per_byte"), 0.0) / 2
+    return hw.constants.get(TCP_CPU_INTRA, 0.0)
+
+
+def _crosses(hw: Hardware, plan: Plan) -> bool:
+    """Whether the data-parallel group spans nodes (its traffic takes the inter-node link)."""
+    return group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp) is hw.inter
+
+
+def _server_cpu(hw: Hardware, plan: Plan, opts: Options, push_bytes: float, grad_bytes: float) -> float:
+    """One parameter server's CPU seconds per step: every worker's push and pull of its shard at the
+    link's TCP cost, plus per request (a slice's push or read, and its reply) the decoding, summing,
+    updating, copying and thread wake-ups the bytes do not explain (`ps.server_s_per_message`,
+    fitted by `paraloom calibrate --from` on a parameter-server run; 0 where not fitted)."""
+    moved = plan.dp * (push_bytes + grad_bytes) / plan.servers
+    messages = plan.dp * _ps_slices(grad_bytes, plan, opts)
+    per_message = hw.constants.get(SERVER_PER_MESSAGE, 0.0)
+    return moved * tcp_cpu_per_byte(hw, _crosses(hw, plan)) + messages * per_message
 
 
 def _comm_cpu(hw: Hardware, plan: Plan, grad_bytes: float) -> float:

@@ -34,7 +34,7 @@ from paraloom.pipeline_parallel.partition import stage_module
 from paraloom.pipeline_parallel.runtime import split_microbatches
 from paraloom.tensor_parallel import apply_tensor_parallel, param_bytes, tp_loss
 from paraloom.tensor_parallel.mappings import gather_from_region
-from paraloom.topology import RankGroups, Topology
+from paraloom.topology import RankGroups, Topology, node_count
 from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
 from paraloom.train.metrics import MetricsLogger, write_json
 from paraloom.train.progress import TrainProgress
@@ -298,6 +298,7 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         "epochs": cfg.optim.epochs,
         "samples": samples,
         "world_size": world,
+        "nodes": node_count(world),  # hosts or emulated nodes: which link the run used
         "grid": {"dp": dp, "tp": tp, "pp": pp},
         "schedule": schedule,
         "microbatches": m,

@@ -22,7 +22,7 @@ from paraloom.data import ShardedBatches, Split, load_dataset
 from paraloom.data_parallel import DataParallel, DataParallelNaive
 from paraloom.errors import UserError
 from paraloom.models import build_model
-from paraloom.topology import RankGroups, Topology
+from paraloom.topology import RankGroups, Topology, node_count
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.checkpoint import agree_on_checkpoint, broadcast_text, load_checkpoint, save_checkpoint
 from paraloom.train.faults import FaultInjector, parse_faults
@@ -325,6 +325,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         "epochs": cfg.optim.epochs,
         "samples": counters["samples"],
         "world_size": world,
+        "nodes": node_count(world),  # hosts or emulated nodes: which link the run used
         "wall_seconds": time.time() - started_at,
         "train_seconds": train_seconds,
         "samples_per_second": ((counters["samples"] - samples_at_start) / train_seconds
