@@ -43,8 +43,8 @@ def _guarded_steps(rank, world, options, naive, flag_group=False):
                          [({}, False, False), ({"scheduler": "fifo"}, False, False), ({}, False, True),
                           ({"scheduler": "priority", "partition_mb": 0.0005}, False, False),
                           ({"compressor": "topk", "compressor_options": {"density": 0.5}}, False, False),
-                          ({}, True, False)],
-                         ids=["wait_free", "fifo", "wait_free_flag", "priority", "topk", "naive"])
+                          ({"compressor": "fp16"}, False, False), ({}, True, False)],
+                         ids=["wait_free", "fifo", "wait_free_flag", "priority", "topk", "fp16", "naive"])
 def test_nan_on_one_rank_skips_the_step_everywhere(options, naive, flag_group):
     results = run_workers(_guarded_steps, 2, options, naive, flag_group)
     for outcomes, unchanged, finite, residual_ok, _ in results:
@@ -60,7 +60,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(options, naive, flag_group):
             torch.testing.assert_close(a, b)
 
 
-def _collectives_per_step(rank, world, guarded):
+def _collectives_per_step(rank, world, guarded, options=None):
     calls = []
     real = torch.distributed.all_reduce
 
@@ -69,7 +69,7 @@ def _collectives_per_step(rank, world, guarded):
         return real(*args, **kwargs)
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    engine = DataParallel(model, first_bucket_mb=0.0)
+    engine = DataParallel(model, first_bucket_mb=0.0, **(options or {}))
     if guarded:
         engine.guard_nonfinite()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -82,12 +82,24 @@ def _collectives_per_step(rank, world, guarded):
     return len(calls), len(engine.buckets)
 
 
-def test_the_guard_on_averaged_gradients_adds_no_collective():
+@pytest.mark.parametrize("options", [{}, {"compressor": "bf16"}], ids=["plain", "bf16"])
+def test_the_guard_on_averaged_gradients_adds_no_collective(options):
     """Plain averaging checks the sums every rank already holds: no flag all-reduce, no barrier."""
-    for guarded, unguarded in zip(run_workers(_collectives_per_step, 2, True),
-                                  run_workers(_collectives_per_step, 2, False), strict=True):
+    for guarded, unguarded in zip(run_workers(_collectives_per_step, 2, True, options),
+                                  run_workers(_collectives_per_step, 2, False, options), strict=True):
         assert guarded == unguarded
         assert guarded[0] == guarded[1]  # one all-reduce per bucket, nothing else
+
+
+def test_the_local_flag_is_a_sum_check():
+    from paraloom.data_parallel.engine import _not_finite
+
+    nan, inf = float("nan"), float("inf")
+    cases = ([1.0, -2.0], [nan, 0.0], [inf, 1.0], [inf, -inf], [3e38, 3e38])
+    flags = [bool(_not_finite(torch.tensor(v))) for v in cases]
+    assert flags == [False, True, True, True, True]  # the last: finite, but its sum leaves float32's range
+    half = torch.full((100_000,), 60000.0, dtype=torch.float16)  # its fp16 sum overflows, float32's not
+    assert not bool(_not_finite(half))
 
 
 def _accumulated_nan(rank, world, bad_microbatch):

@@ -34,6 +34,12 @@ class _CastCompressor:
     def decompress(self, payload: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
         return payload.to(ctx)
 
+    @property
+    def carries_nonfinite(self) -> bool:
+        """Whether any rank's NaN or Inf reaches the decoded sum and nothing else keeps it: casts
+        keep them (and an fp16 overflow becomes one); an error-feedback memory would keep its own."""
+        return self.memory is None
+
 
 @register("fp16")
 class FP16Compressor(_CastCompressor):
