@@ -6,8 +6,9 @@
    and beta across a 2-node emulated cluster, and per wire dtype (fp32, fp16, bf16) across a 2-
    and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.calibrate`); then refine the
    compute scale and per-step overhead from two single-worker runs (MLP and GPT on one thread),
-   and the parameter server's CPU per message from a BSP run on loopback (2 workers and a server);
-   none of the three is among the validated configurations.
+   the parameter server's CPU per message from a BSP run on loopback (2 workers and a server), and
+   a synchronous step's own cost from a 2-worker fifo run on loopback, its measured communication
+   taken out (`calibrate.refine`); none of the four is among the validated configurations.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -93,10 +94,11 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="paraloom-pmval-") as tmp:
         out = Path(tmp)
         one_thread = dict(os.environ, OMP_NUM_THREADS="1")
-        console.print("calibrating: two single-worker runs (refinement, not validated)")
+        console.print("calibrating: four runs on loopback (refinement, not validated)")
         refine_runs = [train(out, "refine mlp", MLP, ["--nproc", "1"], one_thread),
                        train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread),
-                       train(out, "refine ps", [*MLP, *PS_VARIANTS["ps_bsp"]], ["--nproc", "2"])]
+                       train(out, "refine ps", [*MLP, *PS_VARIANTS["ps_bsp"]], ["--nproc", "2"]),
+                       train(out, "refine dp", [*MLP, *MLP_VARIANTS["fifo"]], ["--nproc", "2"])]
         for rate in sorted({c["rate"] for c in configs}):
             console.print(f"calibrating: compute and links at {rate}")
             sizes = sorted({c["workers"] for c in configs if c["rate"] == rate} - {2})

@@ -81,6 +81,27 @@ def test_refine_takes_a_parameter_servers_cpu_per_message_from_a_ps_run(tmp_path
     assert refined.constants["step_overhead_s"] == alone.constants["step_overhead_s"]  # not in that fit
 
 
+def test_refine_takes_the_synchronous_steps_own_cost_from_a_data_parallel_run(tmp_path):
+    """A 2-worker run measured 3 ms past the model's compute, update and overhead plus the 4 ms it
+    measured waiting for gradients: sync_overhead_s = 3 ms, and the compute fit ignores the run."""
+    hw = load_hardware("v100-10gbe")
+    single = _fake_run(tmp_path, "single", {"model": {"name": "mlp"}, "parallel": {"nproc": 1}}, 0.02)
+    dp_cfg = {"model": {"name": "mlp"}, "parallel": {"nproc": 2}}
+    what = predictable(Config.from_dict(dp_cfg), 2)
+    alone, _ = refine(hw, [single])
+    e = estimate(profile_model(what.spec), alone, what.plan, what.global_batch, what.options)
+    rest = e.step_s - e.breakdown["dp_comm_exposed"]
+    dp = _fake_run(tmp_path, "dp", dp_cfg, rest + 0.004 + 0.003)
+    summary = json.loads((dp / "summary.json").read_text())
+    summary.update({"world_size": 2, "comm_seconds_per_step": 0.004})
+    (dp / "summary.json").write_text(json.dumps(summary))
+    refined, points = refine(hw, [single, dp])
+    assert refined.constants["sync_overhead_s"] == pytest.approx(0.003)
+    assert refined.constants["step_overhead_s"] == alone.constants["step_overhead_s"]
+    again, _ = refine(refined, [dp])  # a profile that already holds the constant gives it again
+    assert again.constants["sync_overhead_s"] == pytest.approx(0.003)
+
+
 def test_a_runs_step_is_the_median_logged_interval_after_the_first(tmp_path):
     run = _fake_run(tmp_path, "dp", {"model": {"name": "mlp"}, "data": {"batch_size": 64}}, 1.0)
     rates = [10.0, 6400.0, 3200.0, 640.0]  # a slow first interval (warm-up), then 10, 20 and 100 ms

@@ -41,6 +41,22 @@ def test_priority_sends_what_the_next_forward_needs_first():
     assert priority_exposed(HEAVY_TOP, send, 100) < wait_free_exposed(HEAVY_TOP, send, 1000, 100)
 
 
+def test_priority_pieces_in_flight_overlap_their_latency_with_the_bytes_before():
+    """One layer of 300 bytes ready at 0, pieces of 100, a piece = 1 s of latency + 1 s of bytes.
+    One at a time: 3 x 2 = 6 s. Two in flight: 2 s, then 1 s each (the larger of latency and
+    bytes) = 4 s; a link that went idle in between starts the next piece afresh."""
+    def with_latency(nbytes):
+        return 1.0 + nbytes / 100
+
+    one = [LayerTimes(0.0, 0.0, 300.0)]
+    assert priority_exposed(one, with_latency, 100) == pytest.approx(6.0)
+    assert priority_exposed(one, with_latency, 100, in_flight=4) == pytest.approx(4.0)
+    # two layers, each one piece, the second ready long after the first is sent: no overlap
+    apart = [LayerTimes(0.0, 10.0, 100.0), LayerTimes(0.0, 0.0, 100.0)]
+    assert priority_exposed(apart, with_latency, 100, in_flight=4) == \
+        priority_exposed(apart, with_latency, 100) == pytest.approx(2.0)
+
+
 def test_priority_coarsens_pieces_but_keeps_the_bytes():
     many = [LayerTimes(0.0, 0.0, 1e6)] * 10
     assert priority_exposed(many, send, 1.0, max_pieces=100) == pytest.approx(1e5, rel=1e-9)

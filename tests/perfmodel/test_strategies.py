@@ -155,6 +155,32 @@ def test_a_parameter_servers_cpu_per_message_adds_to_its_bytes():
         estimate(model(), without, asp, 40, opts).step_s
 
 
+def test_a_synchronous_steps_own_cost_is_paid_by_synchronous_replicas_only():
+    """sync_overhead_s: 5 ms per step of all-reduce and BSP plans, times the host's share (4 workers
+    on 2 cores: 10 ms); nothing for one replica or for asynchronous workers."""
+    plain, with_sync = hardware(inter_bw=1e9), hardware(inter_bw=1e9, sync_overhead_s=0.005)
+    for plan, extra in ((Plan(dp=4), 0.005), (Plan(dp=4, servers=1), 0.005), (Plan(), 0.0),
+                        (Plan(tp=2, pp=2), 0.0), (Plan(dp=4, servers=1, consistency="asp"), 0.0)):
+        e = estimate(model(), with_sync, plan, 40)
+        assert e.step_s - estimate(model(), plain, plan, 40).step_s == pytest.approx(extra)
+        assert e.breakdown["sync"] == pytest.approx(extra)
+    shared = hardware(inter_bw=1e9, sync_overhead_s=0.005, host_cores=2)
+    assert estimate(model(), shared, Plan(dp=4), 40).breakdown["sync"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("plan,barriers", [(Plan(dp=2), 1), (Plan(dp=2, compressor="fp16"), 1),
+                                           (Plan(dp=2, scheduler="fifo", compressor="bf16"), 1),
+                                           (Plan(dp=2, scheduler="priority"), 2),
+                                           (Plan(dp=2, compressor="topk"), 2),
+                                           (Plan(dp=2, sync="one_step_delay"), 2), (Plan(dp=2, tp=2), 2)])
+def test_the_nan_guards_flag_is_one_more_synchronization(plan, barriers):
+    """Modes that cannot check the averaged gradients all-reduce a flag first: a second wait for the
+    slowest replica (engine.guard_nonfinite); with guard.nan off, one wait is left."""
+    hw = hardware(inter_bw=1e9, sync_overhead_s=0.005)
+    assert estimate(model(), hw, plan, 40).breakdown["sync"] == pytest.approx(0.005 * barriers)
+    assert estimate(model(), hw, plan, 40, Options(guard=False)).breakdown["sync"] == pytest.approx(0.005)
+
+
 def test_straggler_slows_bsp_but_not_asp():
     hw = hardware(inter_bw=1e9)
     opts = Options(straggler=2.0)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
-from paraloom.perfmodel.strategies import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_cpu_per_byte
+from paraloom.perfmodel.strategies import SERVER_PER_MESSAGE, SYNC_OVERHEAD, TCP_CPU_INTRA, tcp_cpu_per_byte
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
@@ -200,7 +200,7 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
         links.update(measure_groups((cluster, *group_clusters)))
     else:
         links["p2p_bandwidth.inter"] = links["p2p_bandwidth.intra"]
-    # every emulated node is a process on this host: they share its cores (strategies._slowdown)
+    # every emulated node is a process on this host: they share its cores (strategies.host_slowdown)
     hw = build_profile(compute, intra, inter, name=name, devices_per_node=devices_per_node,
                        host_cores=(os.cpu_count() or 1) // max(1, threads))
     extra = {**links, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
@@ -209,23 +209,29 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
 
 
 def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str, float]]]:
-    """Fit measured = a * compute + (predicted - compute) + c over runs; divide efficiency by a, add c.
+    """Refine `hw` from finished runs, each kind fixing its own constants (grey box):
 
-    One run fixes a alone (c = 0); two or more give both by least squares. Parameter-server runs
-    are not in that fit: each gives the servers' CPU seconds per message (`ps.server_s_per_message`,
-    averaged over them), what their CPU time per step leaves once every byte they moved is charged
-    at the run's link's TCP cost (`server_cpu_per_message`).
+    - single-replica runs (one worker, or tensor and pipeline parallel): measured = a * compute +
+      (predicted - compute) + c; efficiency is divided by a and c added to `step_overhead_s`. One
+      run fixes a alone (c = 0); two or more give both by least squares.
+    - data-parallel runs (several replicas): `sync_overhead_s`, what a synchronous step costs past
+      its compute, update and overhead and its own measured communication (`comm_seconds_per_step`),
+      per core's share of the host (`strategies.host_slowdown`), averaged over them (`sync_residual`).
+    - parameter-server runs: `ps.server_s_per_message` (`server_cpu_per_message`), averaged.
     """
     from paraloom.perfmodel.profile import profile_model
     from paraloom.perfmodel.strategies import estimate
 
     summaries = {run: _finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
-    points = []
+    points, dp_runs = [], []
     for run in run_dirs:
         if run in ps_runs:
             continue
         measured, pred = _measured_and_predicted(run, hw, profile_model, estimate)
+        if pred.plan.dp > 1:
+            dp_runs.append(run)
+            continue
         points.append({"run": str(run), "measured_s": measured, "predicted_s": pred.step_s,
                        "compute_s": pred.breakdown["compute"]})
     refined = _fit_compute(hw, points) if points else hw
@@ -234,7 +240,29 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
         points += [{"run": str(run), **m} for run, m in zip(ps_runs, per_message, strict=True)]
         value = statistics.fmean(m["server_s_per_message"] for m in per_message)
         refined = replace(refined, constants={**refined.constants, SERVER_PER_MESSAGE: max(0.0, value)})
+    if dp_runs:
+        residuals = [sync_residual(run, summaries[run], refined) for run in dp_runs]
+        points += [{"run": str(run), **r} for run, r in zip(dp_runs, residuals, strict=True)]
+        value = statistics.fmean(r["sync_overhead_s"] for r in residuals)
+        refined = replace(refined, constants={**refined.constants, SYNC_OVERHEAD: max(0.0, value)})
     return refined, points
+
+
+def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str, float]:
+    """A data-parallel run's step past what the model charges besides communication, with the
+    communication the run measured (its time waiting for gradients, `comm_seconds_per_step`) in
+    place of the predicted: the ranks waiting for the slowest at the step's synchronization, the
+    engine's per-step work, the processes' contention for the host. Per core's share of the host
+    (`strategies.host_slowdown`), as the overhead it adds to."""
+    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.strategies import estimate, host_slowdown
+
+    measured, pred = _measured_and_predicted(run, hw, profile_model, estimate)
+    rest = pred.step_s - pred.breakdown["dp_comm_exposed"] - pred.breakdown.get("sync", 0.0)
+    slow = host_slowdown(hw, pred.plan)
+    residual = measured - summary["comm_seconds_per_step"] - rest
+    return {"measured_s": measured, "comm_s": summary["comm_seconds_per_step"], "rest_s": rest,
+            "sync_overhead_s": residual / slow}
 
 
 def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:

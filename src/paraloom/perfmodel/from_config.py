@@ -48,7 +48,8 @@ def predictable(cfg: Config, world: int) -> Predictable:
                 servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")
     optimizer = "adam" if cfg.optim.name == "adam" else ("momentum" if cfg.optim.momentum else "sgd")
     options = Options(optimizer=optimizer, bucket_mb=comm.bucket_mb, first_bucket_mb=comm.first_bucket_mb,
-                      partition_mb=comm.partition_mb, ps_partition_mb=cfg.ps.partition_mb,
-                      shard_optimizer=comm.shard_optimizer)
+                      partition_mb=comm.partition_mb, credit_mb=comm.credit_mb,
+                      ps_partition_mb=cfg.ps.partition_mb, shard_optimizer=comm.shard_optimizer,
+                      guard=cfg.guard.nan)
     recompute = "full" if cfg.model.name == "gpt" and cfg.model.recompute else "none"
     return Predictable(spec_of(cfg), recompute, plan, cfg.data.batch_size, options)

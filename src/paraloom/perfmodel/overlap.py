@@ -79,12 +79,16 @@ def wait_free_exposed(layers: Sequence[LayerTimes], send: SendTime, bucket_bytes
 
 
 def priority_exposed(layers: Sequence[LayerTimes], send: SendTime, partition_bytes: float,
-                     max_pieces: int = 4096) -> float:
+                     max_pieces: int = 4096, in_flight: int = 1) -> float:
     """Pieces by next-forward order; the next forward waits layer by layer for its own pieces.
 
     Layers become ready last to first, so the ready piece the next forward needs first is always
     one of the layer that became ready most recently: a heap on layer index runs the policy.
     Pieces are coarsened to at most `max_pieces` per step (a 175B model at 2 MB would be 10^5).
+    With `in_flight` >= 2 pieces allowed on the link at once (the engine's credit window), a piece
+    that follows another back to back pays only the larger of its latency and its transfer
+    (`send(0)` and `send(s) - send(0)`): its start-up overlaps the previous piece's bytes (the
+    gap of LogP, Culler et al. 1993), where one at a time pays both.
     """
     ready = _ready_times(layers)
     backward = ready[0] if layers else 0.0
@@ -95,9 +99,10 @@ def priority_exposed(layers: Sequence[LayerTimes], send: SendTime, partition_byt
     done = [0.0] * len(layers)  # when each layer's last piece has arrived
     heap: list[int] = []
     upcoming = [i for i in range(len(layers) - 1, -1, -1) if left[i]]  # in ready order
-    clock, nxt = 0.0, 0
+    clock, nxt, latency, busy = 0.0, 0, send(0.0), False
     while nxt < len(upcoming) or heap:
         if not heap:
+            busy = busy and clock >= ready[upcoming[nxt]]  # the link went idle: the next piece starts afresh
             clock = max(clock, ready[upcoming[nxt]])
         while nxt < len(upcoming) and ready[upcoming[nxt]] <= clock:
             heapq.heappush(heap, upcoming[nxt])
@@ -106,7 +111,8 @@ def priority_exposed(layers: Sequence[LayerTimes], send: SendTime, partition_byt
         # send this layer's pieces until the next layer becomes ready (it would take the link next)
         until = ready[upcoming[nxt]] if nxt < len(upcoming) else math.inf
         while left[i] and clock < until:
-            clock += send(size[i])
+            clock += send(size[i]) if not busy or in_flight < 2 else max(latency, send(size[i]) - latency)
+            busy = True
             left[i] -= 1
         done[i] = clock
         if not left[i]:

@@ -30,6 +30,7 @@ CONSISTENCY = ("bsp", "asp", "ssp")
 UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
 TCP_CPU_INTRA = "tcp_cpu_s_per_byte.intra"  # a process's CPU per byte over loopback (paraloom calibrate)
 SERVER_PER_MESSAGE = "ps.server_s_per_message"  # a parameter server's CPU per request, bytes aside
+SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
 WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
 
 
@@ -105,8 +106,10 @@ class Options:
     first_bucket_mb: float = 1.0
     partition_mb: float = 2.0
     ps_partition_mb: float = 0.5  # a parameter server's shard travels as slices of at most this
+    credit_mb: float = 8.0  # priority scheduler: bytes in flight at most (comm.credit_mb)
     shard_optimizer: bool = False
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
+    guard: bool = True  # guard.nan: skip steps with NaN/Inf gradients (a flag all-reduce in some modes)
 
 
 def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[tuple[int, int]]:
@@ -161,7 +164,7 @@ def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, 
     return total
 
 
-def _slowdown(hw: Hardware, plan: Plan) -> float:
+def host_slowdown(hw: Hardware, plan: Plan) -> float:
     """Emulated clusters: every worker of the plan is a process sharing `host_cores` cores of one host.
 
     Parameter servers are not counted: they spend the step waiting on the network, and their
@@ -235,7 +238,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         raise UserError(f"global batch {global_batch} does not split into dp={plan.dp} x "
                         f"microbatches={plan.microbatches}; choose a multiple of {unit}")
     micro = global_batch / (plan.dp * plan.microbatches)
-    slow = _slowdown(hw, plan)
+    slow = host_slowdown(hw, plan)
     dtype = profile.dtype
     fwd = [_layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp) * slow for layer in profile.layers]
     bwd = [_layer_seconds(layer, hw, dtype, "bwd", micro, plan.tp) * slow for layer in profile.layers]
@@ -271,7 +274,12 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     codec = _codec(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
     data = profile.input_bytes * global_batch / plan.dp / hw.device.mem_bandwidth
     overhead = hw.constants.get("step_overhead_s", 0.0) * slow
-    step = pipeline + dp_exposed + codec + update + data + overhead
+    # replicas that synchronize every step wait for the slowest and pay the engine's per-step work:
+    # a constant refined from a measured data-parallel run (calibrate.sync_residual), 0 otherwise
+    synchronous = plan.dp > 1 and not (plan.servers and plan.consistency != "bsp")
+    barriers = 1 + _flag_guard(plan, opts)
+    sync = hw.constants.get(SYNC_OVERHEAD, 0.0) * slow * barriers if synchronous else 0.0
+    step = pipeline + dp_exposed + codec + update + data + overhead + sync
     if plan.servers and plan.consistency != "bsp":  # asynchronous workers: a closed queueing network
         link = _dp_link(hw, plan, p2p=True)
         push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
@@ -290,7 +298,8 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         step += straggler
     breakdown = {"compute": compute, "bubble": max(0.0, pipeline - busy), "tp_comm": tp_s * m,
                  "pp_comm": p2p_s * m, "dp_comm_exposed": dp_exposed, "dp_comm_total": dp_total,
-                 "codec": codec, "update": update, "data": data, "overhead": overhead, "straggler": straggler}
+                 "codec": codec, "update": update, "data": data, "overhead": overhead, "sync": sync,
+                 "straggler": straggler}
     samples = global_batch / step
     if plan.servers and plan.consistency != "bsp" and opts.straggler > 1:
         # asynchronous workers each run at their own pace: the slow one adds its share only
@@ -301,6 +310,19 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     return Estimate(plan=plan, step_s=step, samples_per_s=samples, memory_bytes=memory,
                     fits=memory <= hw.device.mem_capacity, bottleneck=max(terms, key=terms.get),
                     breakdown=breakdown)
+
+
+def _flag_guard(plan: Plan, opts: Options) -> bool:
+    """Whether the NaN guard all-reduces a flag before the update (data_parallel/engine.py
+    `guard_nonfinite`): a second point per step where every replica waits for the slowest. Plain
+    averaging of uncompressed, fp16 or bf16 gradients checks the averaged gradients instead; the
+    priority scheduler, one-step delay, a sharded optimizer, the other compressors and tensor or
+    pipeline parallel replicas (whose guard spans every stage) use the flag. The parameter server
+    has no guard."""
+    if not opts.guard or plan.dp == 1 or plan.servers:
+        return False
+    plain = plan.scheduler != "priority" and plan.sync == "sync" and not opts.shard_optimizer
+    return not (plain and plan.compressor in ("none", *WIRE_DTYPE) and plan.tp == 1 and plan.pp == 1)
 
 
 def _ps_slices(grad_bytes: float, plan: Plan, opts: Options) -> int:
@@ -339,7 +361,9 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     elif plan.scheduler == "fifo":
         exposed = overlap.fifo_exposed(layers, send, bucket)
     elif plan.scheduler == "priority" and plan.pp == 1 and m == 1:
-        exposed = overlap.priority_exposed(layers, send, opts.partition_mb * 2**20)
+        piece = opts.partition_mb * 2**20
+        window = int(opts.credit_mb * 2**20 // piece)  # pieces the credit window lets out at once
+        exposed = overlap.priority_exposed(layers, send, piece, in_flight=window)
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
     return _unhidden_cpu(exposed, total, _comm_cpu(hw, plan, grad_bytes)), total
