@@ -65,7 +65,7 @@ def test_cast_round_trip_within_relative_bound(name, wire, rtol, dtype):
 def test_cast_payloads_sum_in_the_wire_dtype(name):
     c = make_compressor(name)
     xs = [_randn(100, seed=s) for s in range(3)]
-    payloads = [c.compress(x, key=0) for x in xs]
+    payloads = [c.compress(x, key=k) for k, x in enumerate(xs)]  # valid until its key compresses again
     total = c.decompress(sum(p for p, _ in payloads), payloads[0][1])
     torch.testing.assert_close(total, sum(xs), rtol=3e-2, atol=1e-2)
 
@@ -275,3 +275,16 @@ def test_gathered_payloads_decompress_to_the_sum_of_each_ranks_own(world):
                 torch.testing.assert_close(summed, expected, rtol=1e-2, atol=1e-2)
             else:
                 assert torch.equal(summed, expected), case
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_cast_payloads_reuse_one_buffer_per_key_and_decode_in_place(name):
+    c = make_compressor(name)
+    first, ctx = c.compress(_randn(100, seed=0), key=3)
+    x = _randn(100, seed=1)
+    again, _ = c.compress(x, key=3)
+    assert again.data_ptr() == first.data_ptr()  # no allocation per step
+    assert c.compress(x, key=4)[0].data_ptr() != first.data_ptr()
+    out = torch.empty(100)
+    c.decompress_into(again, ctx, out)
+    torch.testing.assert_close(out, c.decompress(again, ctx))

@@ -2,7 +2,9 @@
 
 A compressor is a stateful object. `compress(tensor, key)` returns `(payload, ctx)`: the
 payload is what goes on the wire (its bytes are what wire accounting counts), ctx is whatever
-this rank needs to decode. `decompress(payload, ctx)` returns a tensor shaped like the input.
+this rank needs to decode; a payload may be a buffer the compressor reuses for the same key, valid
+until the next `compress` with that key (the engine waits for a piece's collective first).
+`decompress(payload, ctx)` returns a tensor shaped like the input.
 `summable` says how payloads travel: True — payloads of all ranks can be all-reduced (summed)
 and the sum decompressed; False — payloads are all-gathered, each decompressed, and the
 results summed. A non-summable payload is one flat uint8 tensor of a size that depends only on

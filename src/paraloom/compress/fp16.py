@@ -22,10 +22,16 @@ class _CastCompressor:
 
     def __init__(self, *, error_feedback: bool = False) -> None:
         self.memory = ErrorFeedback() if error_feedback else None
+        self._wire: dict[int, torch.Tensor] = {}  # key -> its payload buffer, reused step after step
 
     def compress(self, tensor: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.dtype]:
+        """The payload of `key`: a buffer of its own, refilled each step (the engine waits for a
+        piece's collective before that piece is compressed again), so no step allocates one."""
         if self.memory is None:
-            return tensor.to(self.wire_dtype), tensor.dtype
+            wire = self._wire.get(key)
+            if wire is None or wire.shape != tensor.shape or wire.device != tensor.device:
+                wire = self._wire[key] = torch.empty_like(tensor, dtype=self.wire_dtype)
+            return wire.copy_(tensor), tensor.dtype
         corrected = self.memory.corrected(tensor, key)
         payload = corrected.to(self.wire_dtype)
         self.memory.remember(key, corrected, payload.to(tensor.dtype))
@@ -33,6 +39,10 @@ class _CastCompressor:
 
     def decompress(self, payload: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
         return payload.to(ctx)
+
+    def decompress_into(self, payload: torch.Tensor, ctx: torch.dtype, out: torch.Tensor) -> None:
+        """`out.copy_(decompress(payload, ctx))` in one pass: the copy casts."""
+        out.copy_(payload.view_as(out))
 
     @property
     def carries_nonfinite(self) -> bool:

@@ -66,7 +66,10 @@ def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
                                 lambda: all_reduce(payload, algorithm=engine.algorithm, group=group), on_done)
 
         def finish() -> None:
-            grad.copy_(compressor.decompress(payload, ctx).view_as(grad))
+            if hasattr(compressor, "decompress_into"):  # casts: straight into the piece
+                compressor.decompress_into(payload, ctx, grad)
+            else:
+                grad.copy_(compressor.decompress(payload, ctx).view_as(grad))
     else:
         gathered = payload.new_empty(world * payload.numel())
 
