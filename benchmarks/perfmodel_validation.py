@@ -5,10 +5,11 @@
 1. Calibrate: this machine's compute constants and, per link rate, the ring all-reduce's alpha
    and beta across a 2-node emulated cluster, and per wire dtype (fp32, fp16, bf16) across a 2-
    and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.calibrate`); then refine the
-   compute scale and per-step overhead from two single-worker runs (MLP and GPT on one thread),
-   the parameter server's CPU per message from a BSP run on loopback (2 workers and a server), and
-   a synchronous step's own cost from a 2-worker fifo run on loopback, its measured communication
-   taken out (`calibrate.refine`); none of the four is among the validated configurations.
+   compute scale and per-step overhead from single-worker runs (MLP and GPT on one thread), the
+   parameter server's CPU per message from a BSP run on loopback (2 workers and a server), and a
+   synchronous step's own cost from 2-worker fifo runs on loopback, their measured communication
+   taken out (`calibrate.refine`); 120 steps each, the MLP's two kinds twice, interleaved. None of
+   them is among the validated configurations.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -49,6 +50,7 @@ PS_VARIANTS = {"ps_bsp": ["parallel.mode=ps", "ps.servers=1", "ps.consistency=bs
 GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
                 "gpt_pp2": ["parallel.pp=2", "parallel.microbatches=4"]}
 STEPS, LOG_EVERY = 40, 10
+REFINE_STEPS, REFINE_REPEATS = 120, 2  # the refinement's runs: longer, and the MLP's twice
 
 
 def configurations(quick: bool) -> list[dict[str, Any]]:
@@ -72,9 +74,10 @@ def configurations(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
-def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | None = None) -> Path:
+def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | None = None,
+          steps: int = STEPS) -> Path:
     cmd = [sys.executable, "-m", "paraloom", "train", *launch]
-    for item in [*args, f"optim.max_steps={STEPS}", f"run.log_every={LOG_EVERY}", f"run.out_dir={out}",
+    for item in [*args, f"optim.max_steps={steps}", f"run.log_every={LOG_EVERY}", f"run.out_dir={out}",
                  f"run.name={name.replace(' ', '_')}", "run.checkpoint_every=0", "run.save_model=false"]:
         cmd += ["--set", item]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -94,11 +97,15 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="paraloom-pmval-") as tmp:
         out = Path(tmp)
         one_thread = dict(os.environ, OMP_NUM_THREADS="1")
-        console.print("calibrating: four runs on loopback (refinement, not validated)")
-        refine_runs = [train(out, "refine mlp", MLP, ["--nproc", "1"], one_thread),
-                       train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread),
-                       train(out, "refine ps", [*MLP, *PS_VARIANTS["ps_bsp"]], ["--nproc", "2"]),
-                       train(out, "refine dp", [*MLP, *MLP_VARIANTS["fifo"]], ["--nproc", "2"])]
+        console.print("calibrating: six runs on loopback (refinement, not validated)")
+        refine_runs = []
+        for i in range(REFINE_REPEATS):  # interleaved: the machine's drift over minutes hits both alike
+            refine_runs += [train(out, f"refine mlp {i}", MLP, ["--nproc", "1"], one_thread, REFINE_STEPS),
+                            train(out, f"refine dp {i}", [*MLP, *MLP_VARIANTS["fifo"]], ["--nproc", "2"],
+                                  steps=REFINE_STEPS)]
+        refine_runs += [train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread, REFINE_STEPS),
+                        train(out, "refine ps", [*MLP, *PS_VARIANTS["ps_bsp"]], ["--nproc", "2"],
+                              steps=REFINE_STEPS)]
         for rate in sorted({c["rate"] for c in configs}):
             console.print(f"calibrating: compute and links at {rate}")
             sizes = sorted({c["workers"] for c in configs if c["rate"] == rate} - {2})
