@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
-from paraloom.perfmodel.strategies import SERVER_PER_MESSAGE, SYNC_OVERHEAD, TCP_CPU_INTRA, tcp_cpu_per_byte
+from paraloom.perfmodel.strategies import (
+    SERVER_PER_MESSAGE,
+    SYNC_OVERHEAD,
+    TCP_CPU_INTRA,
+    estimate,
+    host_slowdown,
+    tcp_cpu_per_byte,
+)
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
@@ -219,16 +226,13 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
       per core's share of the host (`strategies.host_slowdown`), averaged over them (`sync_residual`).
     - parameter-server runs: `ps.server_s_per_message` (`server_cpu_per_message`), averaged.
     """
-    from paraloom.perfmodel.profile import profile_model
-    from paraloom.perfmodel.strategies import estimate
-
     summaries = {run: _finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
     points, dp_runs = [], []
     for run in run_dirs:
         if run in ps_runs:
             continue
-        measured, pred = _measured_and_predicted(run, hw, profile_model, estimate)
+        measured, pred = _measured_and_predicted(run, hw)
         if pred.plan.dp > 1:
             dp_runs.append(run)
             continue
@@ -254,10 +258,7 @@ def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str,
     place of the predicted: the ranks waiting for the slowest at the step's synchronization, the
     engine's per-step work, the processes' contention for the host. Per core's share of the host
     (`strategies.host_slowdown`), as the overhead it adds to."""
-    from paraloom.perfmodel.profile import profile_model
-    from paraloom.perfmodel.strategies import estimate, host_slowdown
-
-    measured, pred = _measured_and_predicted(run, hw, profile_model, estimate)
+    measured, pred = _measured_and_predicted(run, hw)
     rest = pred.step_s - pred.breakdown["dp_comm_exposed"] - pred.breakdown.get("sync", 0.0)
     slow = host_slowdown(hw, pred.plan)
     residual = measured - summary["comm_seconds_per_step"] - rest
@@ -333,8 +334,9 @@ def _finished(run: Path):
     return json.loads(summary_path.read_text()), load_config(str(config_path), [])
 
 
-def _measured_and_predicted(run: Path, hw: Hardware, profile_model, estimate):
+def _measured_and_predicted(run: Path, hw: Hardware):
     from paraloom.perfmodel.from_config import predictable
+    from paraloom.perfmodel.profile import profile_model
 
     summary, cfg = _finished(run)
     world = int(summary.get("world_size") or cfg.parallel.nproc)
