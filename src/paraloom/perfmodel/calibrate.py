@@ -23,16 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from paraloom.errors import UserError
+from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_cpu_per_byte
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
-from paraloom.perfmodel.strategies import (
-    SERVER_PER_MESSAGE,
-    SYNC_OVERHEAD,
-    TCP_CPU_INTRA,
-    estimate,
-    host_slowdown,
-    tcp_cpu_per_byte,
-)
+from paraloom.perfmodel.strategies import SYNC_OVERHEAD, estimate, host_slowdown
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"

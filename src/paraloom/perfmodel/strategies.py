@@ -8,12 +8,20 @@ parameter server's consistency modes. Every figure is for one step of `global_ba
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 from paraloom.errors import UserError
 from paraloom.perfmodel import overlap
 from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time
+from paraloom.perfmodel.cpu_cost import (
+    WIRE_DTYPE,
+    comm_cpu,
+    crosses_nodes,
+    ps_slices,
+    server_cpu,
+    tcp_cpu_per_byte,
+    unhidden_cpu,
+)
 from paraloom.perfmodel.hardware import Hardware, Link
 from paraloom.perfmodel.memory import device_memory
 from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
@@ -28,10 +36,7 @@ CONSISTENCY = ("bsp", "asp", "ssp")
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
 # weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
 UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
-TCP_CPU_INTRA = "tcp_cpu_s_per_byte.intra"  # a process's CPU per byte over loopback (paraloom calibrate)
-SERVER_PER_MESSAGE = "ps.server_s_per_message"  # a parameter server's CPU per request, bytes aside
 SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
-WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
 
 
 @dataclass(frozen=True)
@@ -286,9 +291,9 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         pull = link.latency + grad_bytes / link.bandwidth
         own = pipeline + codec + data + overhead
         pushed = compressed_bytes(grad_bytes, plan.compressor)
-        server_cpu = _server_cpu(hw, plan, opts, pushed, grad_bytes) / plan.dp  # per worker's cycle
-        step = asp_cycle(plan.dp, plan.servers, push, pull, own, _ps_slices(grad_bytes, plan, opts),
-                         server_cpu_s=server_cpu)
+        per_cycle = server_cpu(hw, plan, opts, pushed, grad_bytes) / plan.dp  # per worker's cycle
+        step = asp_cycle(plan.dp, plan.servers, push, pull, own, ps_slices(grad_bytes, plan, opts),
+                         server_cpu_s=per_cycle)
         dp_exposed = step - own
     straggler = 0.0
     if opts.straggler > 1 and plan.dp > 1:
@@ -325,11 +330,6 @@ def _flag_guard(plan: Plan, opts: Options) -> bool:
     return not (plain and plan.compressor in ("none", *WIRE_DTYPE) and plan.tp == 1 and plan.pp == 1)
 
 
-def _ps_slices(grad_bytes: float, plan: Plan, opts: Options) -> int:
-    """Messages per server shard and step (parameter_server/shard.slice_layout, fp32 parameters)."""
-    return max(1, math.ceil(grad_bytes / plan.servers / (opts.ps_partition_mb * 2**20)))
-
-
 def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
              fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float]:
     """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
@@ -340,11 +340,11 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
         push = compressed_bytes(grad_bytes, plan.compressor)
         total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push,
-                        slices=_ps_slices(grad_bytes, plan, opts))
-        total = max(total, _server_cpu(hw, plan, opts, push, grad_bytes))  # a server's CPU is one too
+                        slices=ps_slices(grad_bytes, plan, opts))
+        total = max(total, server_cpu(hw, plan, opts, push, grad_bytes))  # a server's CPU is one too
         exposed = max(0.0, total - sum(bwd[start:stop]))
-        own = (push + grad_bytes) * tcp_cpu_per_byte(hw, _crosses(hw, plan))  # a worker's own CPU
-        return _unhidden_cpu(exposed, total, own), total
+        own = (push + grad_bytes) * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan))  # a worker's own CPU
+        return unhidden_cpu(exposed, total, own), total
 
     def send(nbytes: float) -> float:
         if plan.compressor == "none":
@@ -366,52 +366,7 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         exposed = overlap.priority_exposed(layers, send, piece, in_flight=window)
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
-    return _unhidden_cpu(exposed, total, _comm_cpu(hw, plan, grad_bytes)), total
-
-
-def _unhidden_cpu(exposed: float, total: float, cpu: float) -> float:
-    """Exposed communication seconds once its CPU work is counted: the part that overlaps
-    backward hides its waiting on the wire, not the share `cpu / total` it keeps the CPU busy."""
-    if cpu <= 0 or total <= 0:
-        return exposed
-    return exposed + max(0.0, total - exposed) * min(1.0, cpu / total)
-
-
-def tcp_cpu_per_byte(hw: Hardware, inter: bool = True) -> float:
-    """A process's CPU seconds per byte it sends or receives point to point: across nodes half the
-    2-worker fp32 all-reduce's per byte of tensor (each of the two sends and receives the whole
-    tensor once; its sums are a small part), on one node `tcp_cpu_s_per_byte.intra` (loopback's,
-    the same way); 0 where not measured."""
-    if inter:
-        return hw.constants.get(group_key(2, "float32", "native", "cpu_s_per_byte"), 0.0) / 2
-    return hw.constants.get(TCP_CPU_INTRA, 0.0)
-
-
-def _crosses(hw: Hardware, plan: Plan) -> bool:
-    """Whether the data-parallel group spans nodes (its traffic takes the inter-node link)."""
-    return group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp) is hw.inter
-
-
-def _server_cpu(hw: Hardware, plan: Plan, opts: Options, push_bytes: float, grad_bytes: float) -> float:
-    """One parameter server's CPU seconds per step: every worker's push and pull of its shard at the
-    link's TCP cost, plus per request (a slice's push or read, and its reply) the decoding, summing,
-    updating, copying and thread wake-ups the bytes do not explain (`ps.server_s_per_message`,
-    fitted by `paraloom calibrate --from` on a parameter-server run; 0 where not fitted)."""
-    moved = plan.dp * (push_bytes + grad_bytes) / plan.servers
-    messages = plan.dp * _ps_slices(grad_bytes, plan, opts)
-    per_message = hw.constants.get(SERVER_PER_MESSAGE, 0.0)
-    return moved * tcp_cpu_per_byte(hw, _crosses(hw, plan)) + messages * per_message
-
-
-def _comm_cpu(hw: Hardware, plan: Plan, grad_bytes: float) -> float:
-    """A worker's CPU seconds in one step's all-reduce (`allreduce.n<dp>.<dtype>.<algorithm>.
-    cpu_s_per_byte`, measured by `paraloom calibrate` on an emulated cluster, where the kernel's
-    TCP and gloo's sums run on the cores the workers compute on); 0 where not measured."""
-    if plan.compressor not in ("none", *WIRE_DTYPE):
-        return 0.0
-    dtype = WIRE_DTYPE.get(plan.compressor, "float32")
-    per_byte = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "cpu_s_per_byte"), 0.0)
-    return per_byte * grad_bytes * (0.5 if dtype != "float32" else 1.0)
+    return unhidden_cpu(exposed, total, comm_cpu(hw, plan, grad_bytes)), total
 
 
 def _codec(hw: Hardware, compressor: str, grad_bytes: float) -> float:

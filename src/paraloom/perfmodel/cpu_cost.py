@@ -1,0 +1,72 @@
+"""What communication costs the CPU: per byte a process sends or receives, the share overlap cannot
+hide, and a parameter server's work per step (bytes and messages); constants from `paraloom calibrate`.
+
+On an emulated cluster every node is a process of one host, so the kernel's TCP and gloo's sums run
+on the cores the training computes on; on presets and real clusters the constants are absent and
+these terms are 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from paraloom.perfmodel.hardware import Hardware
+from paraloom.perfmodel.network import group_key, group_link
+
+if TYPE_CHECKING:
+    from paraloom.perfmodel.strategies import Options, Plan
+
+TCP_CPU_INTRA = "tcp_cpu_s_per_byte.intra"  # a process's CPU per byte over loopback (paraloom calibrate)
+SERVER_PER_MESSAGE = "ps.server_s_per_message"  # a parameter server's CPU per request, bytes aside
+WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
+
+
+def ps_slices(grad_bytes: float, plan: Plan, opts: Options) -> int:
+    """Messages per server shard and step (parameter_server/shard.slice_layout, fp32 parameters)."""
+    return max(1, math.ceil(grad_bytes / plan.servers / (opts.ps_partition_mb * 2**20)))
+
+
+def unhidden_cpu(exposed: float, total: float, cpu: float) -> float:
+    """Exposed communication seconds once its CPU work is counted: the part that overlaps
+    backward hides its waiting on the wire, not the share `cpu / total` it keeps the CPU busy."""
+    if cpu <= 0 or total <= 0:
+        return exposed
+    return exposed + max(0.0, total - exposed) * min(1.0, cpu / total)
+
+
+def tcp_cpu_per_byte(hw: Hardware, inter: bool = True) -> float:
+    """A process's CPU seconds per byte it sends or receives point to point: across nodes half the
+    2-worker fp32 all-reduce's per byte of tensor (each of the two sends and receives the whole
+    tensor once; its sums are a small part), on one node `tcp_cpu_s_per_byte.intra` (loopback's,
+    the same way); 0 where not measured."""
+    if inter:
+        return hw.constants.get(group_key(2, "float32", "native", "cpu_s_per_byte"), 0.0) / 2
+    return hw.constants.get(TCP_CPU_INTRA, 0.0)
+
+
+def crosses_nodes(hw: Hardware, plan: Plan) -> bool:
+    """Whether the data-parallel group spans nodes (its traffic takes the inter-node link)."""
+    return group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp) is hw.inter
+
+
+def server_cpu(hw: Hardware, plan: Plan, opts: Options, push_bytes: float, grad_bytes: float) -> float:
+    """One parameter server's CPU seconds per step: every worker's push and pull of its shard at the
+    link's TCP cost, plus per request (a slice's push or read, and its reply) the decoding, summing,
+    updating, copying and thread wake-ups the bytes do not explain (`ps.server_s_per_message`,
+    fitted by `paraloom calibrate --from` on a parameter-server run; 0 where not fitted)."""
+    moved = plan.dp * (push_bytes + grad_bytes) / plan.servers
+    messages = plan.dp * ps_slices(grad_bytes, plan, opts)
+    per_message = hw.constants.get(SERVER_PER_MESSAGE, 0.0)
+    return moved * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan)) + messages * per_message
+
+
+def comm_cpu(hw: Hardware, plan: Plan, grad_bytes: float) -> float:
+    """A worker's CPU seconds in one step's all-reduce (`allreduce.n<dp>.<dtype>.<algorithm>.
+    cpu_s_per_byte`, measured by `paraloom calibrate` on an emulated cluster, where the kernel's
+    TCP and gloo's sums run on the cores the workers compute on); 0 where not measured."""
+    if plan.compressor not in ("none", *WIRE_DTYPE):
+        return 0.0
+    dtype = WIRE_DTYPE.get(plan.compressor, "float32")
+    per_byte = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "cpu_s_per_byte"), 0.0)
+    return per_byte * grad_bytes * (0.5 if dtype != "float32" else 1.0)
