@@ -13,9 +13,9 @@
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
-   Step time is the steady state: the median of the logged 10-step intervals after the first
-   (data parallel), the median step (tensor and pipeline), all workers' throughput (parameter
-   server).
+   Runs last 40, 80 and 200 steps at the three rates (seconds of steady state each). Step time is
+   the steady state: the median of the logged 10-step intervals after the first (data parallel),
+   the median step (tensor and pipeline), all workers' throughput (parameter server).
 3. Report per configuration the predicted and measured step time and the relative error; per
    group (same model, workers and link) whether the predicted fastest is the measured fastest
    (or within 5% of it).
@@ -49,7 +49,10 @@ PS_VARIANTS = {"ps_bsp": ["parallel.mode=ps", "ps.servers=1", "ps.consistency=bs
                "ps_asp": ["parallel.mode=ps", "ps.servers=1", "ps.consistency=asp"]}
 GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
                 "gpt_pp2": ["parallel.pp=2", "parallel.microbatches=4"]}
-STEPS, LOG_EVERY = 40, 10
+# steps per run: at least ~3 s of steady state (a 10 Gbit/s MLP step takes ~25 ms, a 100 Mbit/s one
+# ~0.8 s); 40 steps at 10 Gbit/s gave three logged intervals, and their median moved by 10% run to run
+STEPS = {"100mbit": 40, "1gbit": 80, "10gbit": 200}
+LOG_EVERY = 10
 REFINE_STEPS, REFINE_REPEATS = 120, 2  # the refinement's runs: longer, and the MLP's twice
 
 
@@ -75,7 +78,7 @@ def configurations(quick: bool) -> list[dict[str, Any]]:
 
 
 def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | None = None,
-          steps: int = STEPS) -> Path:
+          steps: int = 40) -> Path:
     cmd = [sys.executable, "-m", "paraloom", "train", *launch]
     for item in [*args, f"optim.max_steps={steps}", f"run.log_every={LOG_EVERY}", f"run.out_dir={out}",
                  f"run.name={name.replace(' ', '_')}", "run.checkpoint_every=0", "run.save_model=false"]:
@@ -119,7 +122,7 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
         for i, c in enumerate(configs):
             launch = ["--emulate", f"{c['workers'] + ('parallel.mode=ps' in c['args'])}x{c['rate']}"]
             console.print(f"[{i + 1}/{len(configs)}] {c['name']}")
-            run = train(out, c["name"], c["args"], launch)
+            run = train(out, c["name"], c["args"], launch, steps=STEPS[c["rate"]])
             config = yaml.safe_load((run / "config.yaml").read_text())
             report["configs"].append({**{k: c[k] for k in ("name", "group", "workers", "rate")},
                                       "measured_s": measured_step_seconds(run),

@@ -2,6 +2,7 @@
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -128,25 +129,34 @@ def test_calibrate_cli_writes_a_profile_plan_can_use(tmp_path, capsys):
 class _Nodes:
     def __init__(self, nodes):
         self.nodes = nodes
+        self.spec = SimpleNamespace(rate_bits=10**8)  # 100 Mbit/s: bandwidth fitted on 1 MiB and up
 
 
 def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(monkeypatch):
+    """Each group's sweeps follow t = c_lat 2e-4 + c_bw S / B exactly, but one dtype's own fit says
+    9e-4 s: the group keeps the median of its three fits and refits each dtype's bandwidth with it."""
     from paraloom.perfmodel import calibrate as cal
+    from paraloom.perfmodel.network import allreduce_coefficients
 
     calls = []
+    own_fit = {"float32": 1e-4, "float16": 9e-4, "bfloat16": 2e-4}
 
     def fake_link(cluster, nproc=2, dtype="float32", algorithm="ring"):
         calls.append((cluster.nodes, dtype, algorithm))
-        rows = [{"bytes": 2**k, "seconds": 1.0, "cpu_seconds": 2**k * 1e-9 * (1 + (k == 22))}
-                for k in (16, 20, 22, 24)]
-        return 1e-4 * cluster.nodes, 1e8 / cluster.nodes / (2 if dtype != "float32" else 1), rows
+        c_lat, c_bw = allreduce_coefficients(cluster.nodes, algorithm)
+        bandwidth = 1e8 / cluster.nodes / (2 if dtype != "float32" else 1)
+        rows = [{"bytes": 2**k, "seconds": c_lat * 2e-4 + c_bw * 2**k / bandwidth,
+                 "cpu_seconds": 2**k * 1e-9 * (1 + (k == 22))} for k in (16, 20, 22, 24)]
+        return own_fit[dtype], bandwidth * 1.3, rows  # the sweep's own bandwidth is not kept
 
     monkeypatch.setattr(cal, "measure_link", fake_link)
     out = cal.measure_groups([_Nodes(2), _Nodes(4)])
     assert calls == [(n, d, "native") for n in (2, 4) for d in ("float32", "float16", "bfloat16")]
-    assert out["allreduce.n2.float32.native.bandwidth"] == 5e7
-    assert out["allreduce.n4.float16.native.bandwidth"] == 1.25e7
-    assert out["allreduce.n4.bfloat16.native.latency"] == 4e-4
+    assert out["allreduce.n2.float32.native.bandwidth"] == pytest.approx(5e7)
+    assert out["allreduce.n4.float16.native.bandwidth"] == pytest.approx(1.25e7)
+    for n in (2, 4):
+        for dtype in own_fit:
+            assert out[f"allreduce.n{n}.{dtype}.native.latency"] == 2e-4
     # CPU seconds per byte: the median over the sizes of 1 MiB and up (1, 2, 1 ns)
     assert out["allreduce.n2.float16.native.cpu_s_per_byte"] == pytest.approx(1e-9)
     assert len(out) == 2 * 2 * 3 + 2 * 3

@@ -145,16 +145,23 @@ def measure_groups(clusters) -> dict[str, float]:
     one host's cores move bytes slower than the two the inter link is fitted on, and gloo sums fp16
     and bf16 with about 1.5 times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels).
     Also each process's CPU seconds per byte all-reduced (sizes of 1 MiB and up, median): the
-    kernel's TCP and the sums run on the cores the training computes on."""
+    kernel's TCP and the sums run on the cores the training computes on.
+
+    A group has one latency, the median of its three dtypes' fits: a message's start-up cost does
+    not depend on what it holds, and one sweep's fit is noisy (at 2 nodes and 10 Gbit/s single fits
+    ranged from 0.14 to 1.34 ms in one calibration); each dtype's bandwidth is refitted with it."""
     out: dict[str, float] = {}
     for cluster in clusters:
-        for dtype in WIRE_DTYPES:
-            alpha, bandwidth, rows = measure_link(cluster, dtype=dtype, algorithm=GROUP_ALGORITHM)
-            out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "bandwidth")] = bandwidth
+        sweeps = {dtype: measure_link(cluster, dtype=dtype, algorithm=GROUP_ALGORITHM)
+                  for dtype in WIRE_DTYPES}
+        alpha = statistics.median(fit[0] for fit in sweeps.values())
+        for dtype, (_, _, rows) in sweeps.items():
+            sizes, seconds = [r["bytes"] for r in rows], [r["seconds"] for r in rows]
+            out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "bandwidth")] = fit_sustained_bandwidth(
+                sizes, seconds, cluster.nodes, alpha, GROUP_ALGORITHM, min_bytes=sustained_bytes(cluster))
             out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "latency")] = alpha
             cpu = [r["cpu_seconds"] / r["bytes"] for r in rows if r["bytes"] >= 1 << 20]
-            key = group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "cpu_s_per_byte")
-            out[key] = statistics.median(cpu)
+            out[group_key(cluster.nodes, dtype, GROUP_ALGORITHM, "cpu_s_per_byte")] = statistics.median(cpu)
     return out
 
 
