@@ -173,8 +173,6 @@ def test_calibrate_group_sizes_are_checked(tmp_path, capsys, sizes, message):
 def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeypatch):
     """At 10 Gbit/s the token bucket holds 2.5 MB: fit on 40 MB and up, and sweep to 64 MiB; at
     1 Gbit/s (250 KB) on 4 MB and up; at 100 Mbit/s (32 KiB) on 1 MiB and up."""
-    from types import SimpleNamespace
-
     from paraloom.perfmodel import calibrate as cal
 
     def cluster(rate_bits):
@@ -195,3 +193,22 @@ def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeyp
     assert swept["sizes"][-1] == 2**26 and bandwidth == pytest.approx(1e9 * 2 * (2 - 1) / 2, rel=0.05)
     cal.measure_link(cluster(10**9), algorithm="native")  # fitted on 4 and 16 MiB
     assert swept["sizes"][-1] == 2**24
+
+
+def test_a_links_alpha_is_its_floor_and_a_groups_its_median_repeat(monkeypatch):
+    """Small sizes' median repeats carry 3 ms of barrier skew; the fastest repeats follow
+    t = 2 alpha + S / B with alpha = 50 us. floor=True fits alpha to the fastest repeats; without
+    it the skew is part of alpha. Either way the bandwidth comes from the sustained sizes' medians."""
+    from paraloom.perfmodel import calibrate as cal
+
+    def fake_run(sizes, **kw):
+        rows = [{"bytes": s, "seconds": 1e-4 + s / 1e8 + (3e-3 if s < 1 << 18 else 0.0),
+                 "seconds_min": 1e-4 + s / 1e8} for s in sizes]
+        return {"results": rows, "config": {"world_size": 2}}
+
+    monkeypatch.setattr("paraloom.comm.bench.run_collectives", fake_run)
+    wire = SimpleNamespace(spec=SimpleNamespace(rate_bits=10**8))
+    alpha, bandwidth, _ = cal.measure_link(wire, algorithm="ring", floor=True)
+    assert alpha == pytest.approx(5e-5, rel=1e-6) and bandwidth == pytest.approx(1e8, rel=1e-3)
+    skewed, _, _ = cal.measure_link(wire, algorithm="ring")
+    assert skewed > 5e-4
