@@ -8,8 +8,8 @@
    compute scale and per-step overhead from single-worker runs (MLP and GPT on one thread), the
    parameter server's CPU per message from a BSP run on loopback (2 workers and a server), and a
    synchronous step's own cost from 2-worker fifo runs on loopback, their measured communication
-   taken out (`calibrate.refine`); 120 steps each, the MLP's two kinds twice, interleaved. None of
-   them is among the validated configurations.
+   taken out (`calibrate.refine`); 120 steps each, the MLP's two kinds three times, interleaved
+   (the refinement takes medians). None of them is among the validated configurations.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -53,7 +53,7 @@ GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
 # ~0.8 s); 40 steps at 10 Gbit/s gave three logged intervals, and their median moved by 10% run to run
 STEPS = {"100mbit": 40, "1gbit": 80, "10gbit": 200}
 LOG_EVERY = 10
-REFINE_STEPS, REFINE_REPEATS = 120, 2  # the refinement's runs: longer, and the MLP's twice
+REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the MLP's three times
 
 
 def configurations(quick: bool) -> list[dict[str, Any]]:
@@ -100,7 +100,7 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="paraloom-pmval-") as tmp:
         out = Path(tmp)
         one_thread = dict(os.environ, OMP_NUM_THREADS="1")
-        console.print("calibrating: six runs on loopback (refinement, not validated)")
+        console.print(f"calibrating: {2 * REFINE_REPEATS + 2} runs on loopback (refinement, not validated)")
         refine_runs = []
         for i in range(REFINE_REPEATS):  # interleaved: the machine's drift over minutes hits both alike
             refine_runs += [train(out, f"refine mlp {i}", MLP, ["--nproc", "1"], one_thread, REFINE_STEPS),

@@ -64,6 +64,24 @@ def test_refine_recovers_a_compute_scale_and_an_overhead(tmp_path):
     assert len(points) == 2
 
 
+def test_refine_takes_the_median_of_a_configurations_repeats(tmp_path):
+    """The small MLP run three times, one of them 5 ms slow (a busy stretch of the machine): the
+    fit sees its median, and the overhead stays 2 ms (a mean would have made it 3.7 ms)."""
+    hw = load_hardware("v100-10gbe")
+    small = {"model": {"name": "mlp", "hidden": 256}, "parallel": {"nproc": 1}}
+    large = {"model": {"name": "mlp", "hidden": 2048}, "parallel": {"nproc": 1}}
+    truth = []
+    for overrides in (small, large):
+        what = predictable(Config.from_dict(overrides), 1)
+        e = estimate(profile_model(what.spec), hw, what.plan, what.global_batch, what.options)
+        truth.append(e.step_s + 2 * e.breakdown["compute"] + 0.002)
+    runs = [_fake_run(tmp_path, f"small{i}", small, truth[0] + slow)
+            for i, slow in enumerate((0.0, 0.005, 0.0))]
+    refined, points = refine(hw, [*runs, _fake_run(tmp_path, "large", large, truth[1])])
+    assert refined.constants["step_overhead_s"] == pytest.approx(0.002, rel=1e-3)
+    assert len(points) == 4
+
+
 def test_refine_takes_a_parameter_servers_cpu_per_message_from_a_ps_run(tmp_path):
     """2 workers, 1 server of 17 slices, 100 steps, 10 MB pushed and pulled per worker and step on
     one node: 2 GB moved at 1 ns a byte leave 3.4 s - 2 s = 1.4 s for 3,400 requests: 412 us each."""
@@ -83,7 +101,7 @@ def test_refine_takes_a_parameter_servers_cpu_per_message_from_a_ps_run(tmp_path
 
 
 def test_refine_takes_the_synchronous_steps_own_cost_from_a_data_parallel_run(tmp_path):
-    """A 2-worker run measured 3 ms past the model's compute, update and overhead plus the 4 ms it
+    """2-worker runs measured 3 (9, 2) ms past the model's compute, update and overhead plus the 4 ms it
     measured waiting for gradients: sync_overhead_s = 3 ms, and the compute fit ignores the run."""
     hw = load_hardware("v100-10gbe")
     single = _fake_run(tmp_path, "single", {"model": {"name": "mlp"}, "parallel": {"nproc": 1}}, 0.02)
@@ -92,12 +110,16 @@ def test_refine_takes_the_synchronous_steps_own_cost_from_a_data_parallel_run(tm
     alone, _ = refine(hw, [single])
     e = estimate(profile_model(what.spec), alone, what.plan, what.global_batch, what.options)
     rest = e.step_s - e.breakdown["dp_comm_exposed"]
-    dp = _fake_run(tmp_path, "dp", dp_cfg, rest + 0.004 + 0.003)
-    summary = json.loads((dp / "summary.json").read_text())
-    summary.update({"world_size": 2, "comm_seconds_per_step": 0.004})
-    (dp / "summary.json").write_text(json.dumps(summary))
-    refined, points = refine(hw, [single, dp])
+    runs = []
+    for i, sync in enumerate((0.003, 0.009, 0.002)):  # the median of three, not their mean (4.7 ms)
+        dp = _fake_run(tmp_path, f"dp{i}", dp_cfg, rest + 0.004 + sync)
+        summary = json.loads((dp / "summary.json").read_text())
+        summary.update({"world_size": 2, "comm_seconds_per_step": 0.004})
+        (dp / "summary.json").write_text(json.dumps(summary))
+        runs.append(dp)
+    refined, points = refine(hw, [single, *runs])
     assert refined.constants["sync_overhead_s"] == pytest.approx(0.003)
+    dp = runs[0]
     assert refined.constants["step_overhead_s"] == alone.constants["step_overhead_s"]
     again, _ = refine(refined, [dp])  # a profile that already holds the constant gives it again
     assert again.constants["sync_overhead_s"] == pytest.approx(0.003)

@@ -230,10 +230,14 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
 
     - single-replica runs (one worker, or tensor and pipeline parallel): measured = a * compute +
       (predicted - compute) + c; efficiency is divided by a and c added to `step_overhead_s`. One
-      run fixes a alone (c = 0); two or more give both by least squares.
+      run fixes a alone (c = 0); two or more give both by least squares. Repeats of one
+      configuration (the same predicted compute) count as one point, their median.
     - data-parallel runs (several replicas): `sync_overhead_s`, what a synchronous step costs past
       its compute, update and overhead and its own measured communication (`comm_seconds_per_step`),
-      per core's share of the host (`strategies.host_slowdown`), averaged over them (`sync_residual`).
+      per core's share of the host (`strategies.host_slowdown`), the median over them
+      (`sync_residual`). Medians, because a slow stretch of a shared machine can slow two runs of
+      the same kind in a row: two single-worker MLP runs at 16.5 and 15.7 ms against 13.7-14.8 ms
+      had fitted the overhead 2 ms high and the sync cost to 0.
     - parameter-server runs: `ps.server_s_per_message` (`server_cpu_per_message`), averaged.
     """
     summaries = {run: _finished(run)[0] for run in run_dirs}
@@ -257,7 +261,7 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     if dp_runs:
         residuals = [sync_residual(run, summaries[run], refined) for run in dp_runs]
         points += [{"run": str(run), **r} for run, r in zip(dp_runs, residuals, strict=True)]
-        value = statistics.fmean(r["sync_overhead_s"] for r in residuals)
+        value = statistics.median(r["sync_overhead_s"] for r in residuals)
         refined = replace(refined, constants={**refined.constants, SYNC_OVERHEAD: max(0.0, value)})
     return refined, points
 
@@ -277,9 +281,12 @@ def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str,
 
 
 def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
-    xs = [p["compute_s"] for p in points]
-    ys = [p["measured_s"] - (p["predicted_s"] - p["compute_s"]) for p in points]
-    if len(points) == 1 or len(set(xs)) == 1:
+    repeats: dict[float, list[float]] = {}  # predicted compute -> its runs' measured step less the rest
+    for p in points:
+        repeats.setdefault(p["compute_s"], []).append(p["measured_s"] - (p["predicted_s"] - p["compute_s"]))
+    xs = list(repeats)
+    ys = [statistics.median(v) for v in repeats.values()]
+    if len(xs) == 1:
         a, c = sum(ys) / sum(xs), 0.0
     else:
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
