@@ -235,9 +235,10 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     - data-parallel runs (several replicas): `sync_overhead_s`, what a synchronous step costs past
       its compute, update and overhead and its own measured communication (`comm_seconds_per_step`),
       per core's share of the host (`strategies.host_slowdown`), the median over them
-      (`sync_residual`). Medians, because a slow stretch of a shared machine can slow two runs of
-      the same kind in a row: two single-worker MLP runs at 16.5 and 15.7 ms against 13.7-14.8 ms
-      had fitted the overhead 2 ms high and the sync cost to 0.
+      (`sync_residual`). Medians, so that one run slowed by a busy stretch of a shared machine
+      does not move the constants when there are three repeats or more. Two slow ones still do:
+      two single-worker MLP runs at 16.5 and 15.7 ms, against 13.7-14.8 ms, once fitted the
+      overhead 2 ms high and the sync cost to 0.
     - parameter-server runs: `ps.server_s_per_message` (`server_cpu_per_message`), averaged.
     """
     summaries = {run: _finished(run)[0] for run in run_dirs}
