@@ -111,8 +111,7 @@ def test_explicit_compressor_options_join_the_configs():
 
 
 def test_powersgd_segments_cover_pieces_with_full_rows_as_matrices():
-    from paraloom.data_parallel.bucket import Bucket
-    from paraloom.data_parallel.engine import cut_pieces
+    from paraloom.data_parallel.bucket import Bucket, cut_pieces
     from paraloom.data_parallel.lowrank import Segment, piece_segments
 
     weight, bias = torch.nn.Parameter(torch.zeros(4, 5)), torch.nn.Parameter(torch.zeros(3))

@@ -1,4 +1,5 @@
-"""Gradient buckets: parameters packed, in back-propagation order, into flat per-dtype buffers."""
+"""Gradient buckets: parameters packed, in back-propagation order, into flat per-dtype buffers,
+and the pieces of them that collectives carry."""
 
 from __future__ import annotations
 
@@ -102,3 +103,35 @@ class Bucket:
 
 def _views(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> list[torch.Tensor]:
     return [buffer[o: o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
+
+
+@dataclass(eq=False)
+class Piece:
+    """What one collective carries: a slice [start, stop) of a bucket's gradient buffer."""
+
+    key: int  # launch order before any reordering: bucket by bucket, front to back
+    bucket: Bucket
+    start: int
+    stop: int
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.bucket.buffer[self.start: self.stop]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * self.bucket.buffer.element_size()
+
+
+def cut_pieces(buckets: list[Bucket], piece_bytes: int | None) -> list[list[Piece]]:
+    """Split every bucket into pieces of at most `piece_bytes` (None: one piece per bucket)."""
+    out, key = [], 0
+    for bucket in buckets:
+        n = bucket.buffer.numel()
+        step = n if piece_bytes is None else max(1, piece_bytes // bucket.buffer.element_size())
+        pieces = []
+        for start in range(0, n, step):
+            pieces.append(Piece(key, bucket, start, min(start + step, n)))
+            key += 1
+        out.append(pieces)
+    return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,43 +22,11 @@ from torch import nn
 from paraloom.comm.algorithms import all_reduce, check_algorithm
 from paraloom.comm.collectives import CommStats, broadcast, private_group
 from paraloom.comm.schedule import CommTask, CommThread, CreditExecutor, Executor, make_scheduler
-from paraloom.data_parallel.bucket import Bucket, assign_buckets
+from paraloom.data_parallel.bucket import Bucket, Piece, assign_buckets, cut_pieces
 from paraloom.data_parallel.finite import all_finite, not_finite
 from paraloom.data_parallel.modes import DONE, check_mode, make_mode
 
 MB = 2**20
-
-
-@dataclass(eq=False)
-class Piece:
-    """What one collective carries: a slice [start, stop) of a bucket's gradient buffer."""
-
-    key: int  # launch order before any reordering: bucket by bucket, front to back
-    bucket: Bucket
-    start: int
-    stop: int
-
-    @property
-    def grad(self) -> torch.Tensor:
-        return self.bucket.buffer[self.start: self.stop]
-
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * self.bucket.buffer.element_size()
-
-
-def cut_pieces(buckets: list[Bucket], piece_bytes: int | None) -> list[list[Piece]]:
-    """Split every bucket into pieces of at most `piece_bytes` (None: one piece per bucket)."""
-    out, key = [], 0
-    for bucket in buckets:
-        n = bucket.buffer.numel()
-        step = n if piece_bytes is None else max(1, piece_bytes // bucket.buffer.element_size())
-        pieces = []
-        for start in range(0, n, step):
-            pieces.append(Piece(key, bucket, start, min(start + step, n)))
-            key += 1
-        out.append(pieces)
-    return out
 
 
 ENGINE_OPTIONS = {  # keyword -> default; the same names as the comm.* config keys
