@@ -52,14 +52,16 @@ def test_bsp_training_equals_all_reduce_training(optim, partition_mb):
 
 
 def test_asp_and_ssp_reach_bsp_accuracy_within_one_point():
-    """Mean over three seeds: which stale reads happen depends on timing, and one run of 360 test
-    digits moves by about a point from that alone (seen in CI: ssp3 1.1 pt under bsp, once)."""
+    """Mean over five seeds: which stale reads happen depends on timing, and one run of 360 test
+    digits moves by about a point from that alone. In CI one run once fell 1.1 pt under bsp, and
+    later a mean of three did (ssp3 0.933 against 0.944). In a quiet session, 5 x 3 seeds of each
+    asynchronous mode spanned 0.930-0.967 a run; bsp is 0.944."""
     accuracy = {}
     for name, sets in {"bsp": ["ps.consistency=bsp"], "asp": ["ps.consistency=asp"],
                        "ssp1": ["ps.consistency=ssp", "ps.staleness=1"],
                        "ssp3": ["ps.consistency=ssp", "ps.staleness=3"]}.items():
         runs = []
-        for seed in (0, 1, 2):  # 4 workers, 1 server
+        for seed in range(5):  # 4 workers, 1 server
             cfg = _cfg("parallel.mode=ps", "data.batch_size=64", f"run.seed={seed}", *sets)
             runs.append(run_workers(_job, 5, cfg, True, timeout=180)[0]["test_accuracy"])
         accuracy[name] = sum(runs) / len(runs)
