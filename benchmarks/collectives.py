@@ -8,14 +8,15 @@ Needs root for the emulated cluster; --loopback runs 4 local workers instead.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from clusters import free_name
+from common import write_json
 from rich.console import Console
 
-from paraloom.cluster import EmulatedCluster, list_clusters, parse_emulate
-from paraloom.comm.algorithms import ALL_REDUCE_NAMES
-from paraloom.comm.bench import parse_sizes, report_table, run_collectives
+from paraloom.bench.collectives import parse_sizes, report_table, run_collectives
+from paraloom.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.cluster import EmulatedCluster, parse_emulate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,19 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", required=True, help="output file")
     args = parser.parse_args(argv)
     sizes = parse_sizes("4KB..64KB" if args.quick else "1KB..64MB")
-    kwargs = {"sizes": sizes, "algorithms": list(ALL_REDUCE_NAMES),
+    kwargs = {"sizes": sizes, "algorithms": list(ALL_REDUCE_ALGORITHMS),
               "min_repeats": 3 if args.quick else 5, "max_repeats": 3 if args.quick else 20,
               "budget_s": 0.5 if args.quick else 3.0}
     if args.loopback:
         report = run_collectives(nproc=2 if args.quick else 4, **kwargs)
     else:
-        name = next(f"bc{i}" for i in range(100) if f"bc{i}" not in list_clusters())
-        spec = parse_emulate(args.emulate or ("2x1gbit" if args.quick else "4x1gbit"), name=name)
+        spec = parse_emulate(args.emulate or ("2x1gbit" if args.quick else "4x1gbit"), name=free_name("bc"))
         with EmulatedCluster(spec) as cluster:
             report = run_collectives(cluster=cluster, **kwargs)
     Console(width=140).print(report_table(report))
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return 0
 
 

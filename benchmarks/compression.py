@@ -12,7 +12,7 @@ Rows (the emulated ones need root): 4 nodes at 1 Gbit/s, every variant; 4 nodes 
 every variant but the four whose encode+decode alone costs more than DDP's whole 1 Gbit/s step
 on this CPU (qsgd, onebit, efsign, randomk: 250-310 ms single-threaded; listed in SLOW_CODECS),
 which therefore cannot help on a faster link (`--loopback`: 4 workers on loopback, one row).
-Variants, taking turns in one process group (paraloom.compress.bench): torch DDP fp32, DDP with
+Variants, taking turns in one process group (paraloom.bench.compression): torch DDP fp32, DDP with
 torch's fp16_compress_hook, paraloom's wait_free engine uncompressed, and the engine with every
 registered compressor at its defaults (DGC with momentum correction, which replaces the
 optimizer's momentum) plus PowerSGD at rank 4 from the third step, and top-k and DGC at density
@@ -30,16 +30,14 @@ beats DDP fp32's at 10 Gbit/s.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from clusters import emulated
+from common import make_table, write_json
 from rich.console import Console
-from rich.table import Table
 
-from paraloom.cluster import EmulatedCluster, list_clusters
-from paraloom.cluster.spec import ClusterSpec
-from paraloom.compress.bench import VARIANTS, run
+from paraloom.bench.compression import VARIANTS, run
 
 MODEL = {"hidden": 2048, "depth": 3, "batch": 32, "lr": 0.03, "optimizer": "sgd", "cosine": True,
          "evals_per_epoch": 4}
@@ -51,11 +49,6 @@ QUICK = {"hidden": 256, "epochs": 2, "evals_per_epoch": 2,
 ROWS = {"1gbit": 10**9, "10gbit": 10**10}
 SLOW_CODECS = ("qsgd", "onebit", "efsign", "randomk")
 SPARSE = ("topk_0.001", "dgc_0.001")
-
-
-def _cluster(nodes: int, rate_bits: int) -> EmulatedCluster:
-    name = next(f"cmp{i}" for i in range(100) if f"cmp{i}" not in list_clusters())
-    return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=rate_bits, name=name))
 
 
 def annotate(row: dict[str, Any]) -> None:
@@ -99,12 +92,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_row(console: Console, name: str, row: dict[str, Any]) -> None:
-    table = Table(title=f"{name}: {row['world_size']} workers, {row['params'] / 1e6:.2f}M params, "
-                        f"compute {row['compute_s'] * 1e3:.0f} ms, fp32 all-reduce "
-                        f"{row['allreduce_s'] * 1e3:.0f} ms; target {row['recipe']['target']:.2f}")
-    for column in ("variant", "wire ratio", "step ms", "TTA s", "speedup vs ddp", "final acc",
-                   "acc drop pt", "codec ms"):
-        table.add_column(column, justify="right")
+    table = make_table(f"{name}: {row['world_size']} workers, {row['params'] / 1e6:.2f}M params, "
+                       f"compute {row['compute_s'] * 1e3:.0f} ms, fp32 all-reduce "
+                       f"{row['allreduce_s'] * 1e3:.0f} ms; target {row['recipe']['target']:.2f}",
+                       ("variant", "wire ratio", "step ms", "TTA s", "speedup vs ddp", "final acc",
+                        "acc drop pt", "codec ms"))
     for variant, out in row["variants"].items():
         table.add_row(variant, f"{out['wire_ratio']:.1f}", f"{out['step_s'] * 1e3:.0f}",
                       _fmt(out["tta_s"], ".1f"), _fmt(out["tta_speedup_vs_ddp"], ".2f"),
@@ -130,15 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             fast = rate > 10**9 and not args.quick
             variants = tuple(v for v in size["variants"] if not (fast and v in SLOW_CODECS))
-            with _cluster(4, rate) as cluster:
+            with emulated(4, rate, "cmp") as cluster:
                 rows[name] = run(cluster=cluster, **{**size, "variants": variants})
         annotate(rows[name])
         print_row(console, name, rows[name])  # each row as soon as it is done
         main_row = rows["loopback" if args.loopback else "1gbit"]
         report = {"model": {**MODEL, "hidden": size["hidden"], "params": main_row["params"]}, "rows": rows,
                   "summary": summarize(main_row, rows.get("10gbit"))}
-        with open(args.json, "w") as f:  # rewritten after every row: a partial run leaves its rows
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)  # rewritten after every row: a partial run leaves its rows
     console.print_json(data=report["summary"])
     return 0
 

@@ -15,16 +15,14 @@ under momentum SGD (lr 0.05). `randomk` is also run at densities 0.1 (its defaul
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from common import make_table, train, write_json
 from rich.console import Console
-from rich.table import Table
 
 EPOCHS = 24
 ADAM = ("none", "fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "powersgd")
@@ -33,18 +31,6 @@ SGD_ARGS = ("optim.name=sgd", "optim.lr=0.05")
 RANDOMK_DENSITIES = (0.1, 0.25)  # randomk at its default and above (reported, not judged)
 SEEDS = (0, 1, 2)
 QUICK = {"epochs": 1, "adam": ("none", "topk"), "sgd": (), "densities": (), "seeds": (0,)}
-
-
-def train(out: Path, name: str, sets: list[str]) -> dict[str, Any]:
-    """One `paraloom train` on 2 loopback workers; its summary.json."""
-    cmd = [sys.executable, "-m", "paraloom", "train", "--nproc", "2"]
-    for item in [*sets, f"run.out_dir={out}", f"run.name={name}", "run.checkpoint_every=0",
-                 "run.save_model=false"]:
-        cmd += ["--set", item]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    return json.loads((out / name / "summary.json").read_text())
 
 
 def runs(quick: bool, seeds: tuple[int, ...]) -> list[tuple[str, str, list[str]]]:
@@ -89,18 +75,18 @@ def main(argv: list[str] | None = None) -> int:
             per_seed = {}
             for seed in seeds:
                 name = f"{group}-{label.replace('@', '-')}-{seed}"
-                summary = train(Path(tmp), name, [*sets, f"optim.epochs={epochs}", f"run.seed={seed}"])
+                summary = train(Path(tmp), name, ["--nproc", "2"],  # on 2 loopback workers
+                                sets=[*sets, f"optim.epochs={epochs}", f"run.seed={seed}"])
                 per_seed[str(seed)] = summary["test_accuracy"]
             accuracies = list(per_seed.values())
             report["groups"].setdefault(group, {})[label] = {
                 "per_seed": per_seed, "mean": statistics.fmean(accuracies), "overrides": sets}
             console.print(f"{group:4s} {label:14s} " + " ".join(f"{a:.4f}" for a in accuracies)
                           + f"  mean {statistics.fmean(accuracies):.4f}")
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")  # a partial run keeps its rows
+            write_json(args.json, report)  # a partial run keeps its rows
     report["summary"] = summarize(report)
-    table = Table(title=f"digits, 2 workers, {epochs} epochs, seeds {list(seeds)}: test accuracy")
-    for column in ("optimizer", "compressor", *(f"seed {s}" for s in seeds), "mean", "vs none (pt)"):
-        table.add_column(column, justify="right")
+    table = make_table(f"digits, 2 workers, {epochs} epochs, seeds {list(seeds)}: test accuracy",
+                       ("optimizer", "compressor", *(f"seed {s}" for s in seeds), "mean", "vs none (pt)"))
     for group, rows in report["groups"].items():
         for label, row in rows.items():
             drop = report["summary"]["acc_drop_pt"].get(f"{group}/{label}")
@@ -108,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(group, label, *cells, f"{row['mean']:.4f}", "" if drop is None else f"{-drop:+.2f}")
     console.print(table)
     console.print_json(data=report["summary"])
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0
 
 

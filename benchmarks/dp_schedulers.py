@@ -17,24 +17,17 @@ and local_sgd (H = 4). Cases (the emulated ones need root):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from clusters import emulated
+from common import make_table, write_json
 from rich.console import Console
-from rich.table import Table
 
-from paraloom.cluster import EmulatedCluster, list_clusters
-from paraloom.cluster.spec import ClusterSpec, format_rate
-from paraloom.data_parallel.bench import VARIANTS, run
+from paraloom.bench.dp_schedulers import VARIANTS, run
+from paraloom.cluster.spec import format_rate
 
 MODEL = {"hidden": 1024, "depth": 9}
 BALANCED_BATCH = 512
-
-
-def _cluster(nodes: int, rate_bits: float) -> EmulatedCluster:
-    name = next(f"dp{i}" for i in range(100) if f"dp{i}" not in list_clusters())
-    rate = max(1, round(rate_bits / 10**6)) * 10**6  # whole Mbit/s
-    return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=rate, name=name))
 
 
 def balanced_case(size: dict, trace: str | None, max_probes: int = 3) -> dict:
@@ -45,7 +38,7 @@ def balanced_case(size: dict, trace: str | None, max_probes: int = 3) -> dict:
     rate = grad_bytes * 8 / local["seconds"]["compute"]
     probes = []
     for _ in range(max_probes):  # correct the guess by the measured ratio until within 10%
-        with _cluster(2, rate) as cluster:
+        with emulated(2, rate, "dp") as cluster:
             seconds = run(cluster=cluster, **probe)["seconds"]
         probes.append({"bits": cluster.spec.rate_bits, "compute_s": seconds["compute"],
                        "allreduce_s": seconds["allreduce"]})
@@ -53,7 +46,7 @@ def balanced_case(size: dict, trace: str | None, max_probes: int = 3) -> dict:
         rate *= ratio
         if abs(ratio - 1) < 0.1:
             break
-    with _cluster(2, rate) as cluster:
+    with emulated(2, rate, "dp") as cluster:
         out = run(cluster=cluster, **{**size, "batch": BALANCED_BATCH},
                   trace_dir=f"{trace}/balanced" if trace else None)
     out["bandwidth_bits"] = cluster.spec.rate_bits
@@ -72,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1}
     cases = {"balanced_2": balanced_case(size, args.trace, max_probes=1 if args.quick else 3)}
     nodes = 2 if args.quick else 4
-    with _cluster(nodes, 10**9) as cluster:
+    with emulated(nodes, 10**9, "dp") as cluster:
         trace = f"{args.trace}/{nodes}x1gbit" if args.trace else None
         cases[f"emulated_{nodes}x1gbit"] = run(cluster=cluster, **size, trace_dir=trace)
     cases["loopback_2"] = run(nproc=2, **size, trace_dir=f"{args.trace}/loopback" if args.trace else None)
@@ -89,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             "balanced_bandwidth_bits": cases["balanced_2"]["bandwidth_bits"],
         },
     }
-    table = Table(title="median step time, slowest rank (ms); (ratio to DDP / to wait_free)")
-    for column in ("case", "compute", "all-reduce", "bound", *VARIANTS):
-        table.add_column(column, justify="right")
+    table = make_table("median step time, slowest rank (ms); (ratio to DDP / to wait_free)",
+                       ("case", "compute", "all-reduce", "bound", *VARIANTS))
     for case, out in cases.items():
         s, r, w = out["seconds"], out["ratio_vs_ddp"], out["ratio_vs_wait_free"]
         label = case if case != "balanced_2" else f"balanced_2 @ {format_rate(out['bandwidth_bits'])}"
@@ -99,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{out['bound'] * 1e3:.0f}",
                       *[f"{s[v] * 1e3:.0f} ({r[v]:.2f}/{w[v]:.2f})" for v in VARIANTS])
     Console(width=200).print(table)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return 0
 
 

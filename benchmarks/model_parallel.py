@@ -33,8 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from common import make_table, train, write_json
 from rich.console import Console
-from rich.table import Table
 
 GPT = {"seq_len": 64, "n_layers": 4, "d_model": 128, "n_heads": 4, "batch_size": 32}
 STEPS = 14
@@ -51,16 +51,9 @@ def gpt_args(gpt: dict[str, int]) -> list[str]:
 
 
 def paraloom(out: Path, name: str, nproc: int, gpt: dict[str, int], steps: int, *sets: str) -> dict[str, Any]:
-    """One `paraloom train` run; returns its summary."""
-    cmd = [sys.executable, "-m", "paraloom", "train", "--nproc", str(nproc), *gpt_args(gpt),
-           "--set", f"optim.max_steps={steps}", "--set", "run.checkpoint_every=0",
-           "--set", "run.save_model=false", "--set", f"run.out_dir={out}", "--set", f"run.name={name}"]
-    for s in sets:
-        cmd += ["--set", s]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if done.returncode:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    return json.loads((out / name / "summary.json").read_text())
+    """One `paraloom train` run of the GPT on `nproc` workers; returns its summary."""
+    return train(out, name, ["--nproc", str(nproc), *gpt_args(gpt)], sets=[f"optim.max_steps={steps}", *sets],
+                 timeout=1200)
 
 
 def peer(out: Path, name: str, nproc: int, gpt: dict[str, int], steps: int, *args: str) -> dict[str, Any]:
@@ -244,10 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tmp)
         for name, sets in (plans(args.quick) if "a" in args.parts else {}).items():
             report["plans"][name] = row(paraloom(out, name, 4, gpt, steps, *sets), gpt)
-        table = Table(title=f"4 workers, GPT {gpt}")
-        for column in ("plan", "step ms", "bubble/rank", "theory", "param MB/rank", "held act MB/rank",
-                       "RSS MB"):
-            table.add_column(column, justify="right")
+        table = make_table(f"4 workers, GPT {gpt}", ("plan", "step ms", "bubble/rank", "theory",
+                                                     "param MB/rank", "held act MB/rank", "RSS MB"))
         for name, r in report["plans"].items():
             table.add_row(name, f"{r['step_seconds'] * 1e3:.1f}",
                           " ".join(f"{b:.2f}" for b in r["bubble_per_rank"]), f"{r['bubble_theory']:.2f}",
@@ -274,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
              for k, v in report.get("pipeline_vs_torch", {}).items()}
     console.print_json(data={"pipeline_vs_torch": shown, "tensor_vs_dtensor": report.get("tensor_vs_dtensor"),
                              "summary": report["summary"]})
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0
 
 

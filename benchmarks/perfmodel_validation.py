@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from clusters import emulated
+from common import make_table, train_run, write_json
 from rich.console import Console
-from rich.table import Table
 
 MLP = ["model.name=mlp", "model.hidden=1024", "model.depth=3", "data.batch_size=64"]
 GPT = ["model.name=gpt", "model.n_layers=4", "model.d_model=128", "model.n_heads=4", "data.name=text",
@@ -79,19 +79,14 @@ def configurations(quick: bool) -> list[dict[str, Any]]:
 
 def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | None = None,
           steps: int = 40) -> Path:
-    cmd = [sys.executable, "-m", "paraloom", "train", *launch]
-    for item in [*args, f"optim.max_steps={steps}", f"run.log_every={LOG_EVERY}", f"run.out_dir={out}",
-                 f"run.name={name.replace(' ', '_')}", "run.checkpoint_every=0", "run.save_model=false"]:
-        cmd += ["--set", item]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    if done.returncode:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    return out / name.replace(" ", "_")
+    """One `paraloom train` run of `steps` steps, logged every LOG_EVERY; returns its run dir."""
+    return train_run(out, name, launch, env=env, timeout=900,
+                     sets=[*args, f"optim.max_steps={steps}", f"run.log_every={LOG_EVERY}"])
 
 
 def measure(quick: bool, console: Console) -> dict[str, Any]:
     """Calibrate per link rate, then run every configuration; predictions are added by `predict`."""
-    from paraloom.cluster import ClusterSpec, EmulatedCluster, parse_rate
+    from paraloom.cluster import parse_rate
     from paraloom.perfmodel.calibrate import calibrate, measured_step_seconds, refine
 
     configs = configurations(quick)
@@ -113,8 +108,8 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
             console.print(f"calibrating: compute and links at {rate}")
             sizes = sorted({c["workers"] for c in configs if c["rate"] == rate} - {2})
             with contextlib.ExitStack() as stack:
-                cluster = stack.enter_context(EmulatedCluster(ClusterSpec(2, parse_rate(rate), "pmv")))
-                groups = [stack.enter_context(EmulatedCluster(ClusterSpec(n, parse_rate(rate), f"pmv{n}")))
+                cluster = stack.enter_context(emulated(2, parse_rate(rate), "pmv"))
+                groups = [stack.enter_context(emulated(n, parse_rate(rate), "pmv"))
                           for n in sizes]  # the all-reduce at every group size the plans use
                 hw, _ = calibrate(cluster=cluster, group_clusters=groups, name=f"this-machine-{rate}")
             hw, points = refine(hw, refine_runs)
@@ -177,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         report = predict(json.loads(Path(args.reanalyze).read_text()))
     else:
         report = predict(measure(args.quick, console))
-    table = Table(title="performance model: predicted vs measured step time")
-    for column in ("configuration", "plan", "predicted ms", "measured ms", "error", "bottleneck"):
-        left = column in ("configuration", "plan", "bottleneck")
-        table.add_column(column, justify="left" if left else "right")
+    table = make_table("performance model: predicted vs measured step time",
+                       ("configuration", "plan", "predicted ms", "measured ms", "error", "bottleneck"),
+                       left=("configuration", "plan", "bottleneck"))
     for c in report["configs"]:
         terms = {k: v for k, v in c["breakdown"].items() if k != "dp_comm_total"}
         table.add_row(c["name"], c["plan"], f"{c['predicted_s'] * 1e3:.1f}", f"{c['measured_s'] * 1e3:.1f}",
@@ -190,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"{group}: predicted fastest {g['predicted_fastest']}, measured {g['measured_fastest']}"
                       f" -> {'hit' if g['hit'] else 'miss'}")
     console.print_json(data=report["summary"])
-    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.json, report, indent=1)
     return 0
 
 

@@ -20,15 +20,13 @@ early finish.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import common
 from rich.console import Console
-from rich.table import Table
 
 TARGET = 0.93
 STRAGGLER = ["--set", "model.channels=64", "--set", "data.batch_size=256", "--set", "optim.epochs=16"]
@@ -55,25 +53,8 @@ STRAGGLERS = {"transient": "slow:rank=random,factor=2.0", "persistent": "slow:ra
 
 
 def train(args: list[str], out: Path, name: str) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "paraloom",
-        "train",
-        *args,
-        "--set",
-        f"run.out_dir={out}",
-        "--set",
-        f"run.name={name}",
-        "--set",
-        "run.eval_every_epoch=true",
-        "--set",
-        "run.checkpoint_every=0",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    summary = json.loads((out / name / "summary.json").read_text())
+    """One `paraloom train` run, every epoch's end evaluated; the figures this benchmark reports."""
+    summary = common.train(out, name, args, sets=["run.eval_every_epoch=true"], save_model=True)
     reached = [seconds for seconds, accuracy in summary["epoch_accuracy"] if accuracy >= TARGET]
     return {
         "samples_per_s": summary["samples_per_second"],
@@ -126,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             report["stragglers"][kind] = rows
             title = f"{kind} straggler ({fault}), 4 workers, {STRAGGLER_SERVERS} server, 1 Gbit/s"
-            table = Table(title=title)
-            for column in ("variant", "samples/s", "vs bsp", "time to acc s", "final acc"):
-                table.add_column(column, justify="right")
+            table = common.make_table(title, ("variant", "samples/s", "vs bsp", "time to acc s", "final acc"))
             for variant, row in rows.items():
                 table.add_row(
                     variant,
@@ -144,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     report["summary"] = summarize(report)
     console.print_json(data=report["summary"])
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    common.write_json(args.json, report)
     return 0
 
 

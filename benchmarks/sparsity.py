@@ -16,15 +16,13 @@ Every run is `paraloom train` with `sparse.sparsity=S`:
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from common import make_table, train, write_json
 from rich.console import Console
-from rich.table import Table
 
 SPARSITIES = (0.0, 0.5, 0.8, 0.9, 0.95)
 ACCURACY = ["--set", "model.name=mlp", "--set", "model.hidden=512", "--set", "data.batch_size=64",
@@ -37,16 +35,6 @@ WIRE_BATCH = 64
 WIRE = ["--set", "model.name=mlp", "--set", "model.hidden=1024", "--set", "model.depth=3",
         "--set", f"data.batch_size={WIRE_BATCH}", "--set", "optim.max_steps=60",
         "--set", "sparse.schedule=oneshot", "--set", "run.log_every=20"]
-
-
-def train(out: Path, name: str, args: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    cmd = [sys.executable, "-m", "paraloom", "train", *args, "--set", f"run.out_dir={out}",
-           "--set", f"run.name={name}", "--set", "run.checkpoint_every=0", "--set", "run.save_model=false"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    metrics = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
-    return json.loads((out / name / "summary.json").read_text()), metrics
 
 
 def sparse_args(sparsity: float) -> list[str]:
@@ -79,24 +67,24 @@ def main(argv: list[str] | None = None) -> int:
         for s in sparsities:
             seeds = SEEDS if s in (0.0, 0.9) and not args.quick else SEEDS[:1]
             runs = [train(out, f"acc{s}-{seed}", ["--nproc", "2", *accuracy_args, *sparse_args(s),
-                                                  "--set", f"run.seed={seed}"])[0] for seed in seeds]
+                                                  "--set", f"run.seed={seed}"]) for seed in seeds]
             accuracies = [run["test_accuracy"] for run in runs]
             report["accuracy"][str(s)] = {"accuracy": sum(accuracies) / len(accuracies),
                                           "per_seed": dict(zip(map(str, seeds), accuracies, strict=True)),
                                           "sparsity": runs[0].get("sparse", {}).get("sparsity", 0.0)}
             if not args.quick and s in (0.0, 0.9):
-                summary, _ = train(out, f"gpt{s}", ["--nproc", "2", *GPT, *sparse_args(s)])
+                summary = train(out, f"gpt{s}", ["--nproc", "2", *GPT, *sparse_args(s)])
                 report["gpt"][str(s)] = {"next_byte_accuracy": summary["test_accuracy"],
                                          "final_loss": summary["final_loss"]}
-            summary, metrics = train(out, f"wire{s}", [*cluster, *wire_args, *sparse_args(s)])
+            summary, metrics = train(out, f"wire{s}", [*cluster, *wire_args, *sparse_args(s)],
+                                     with_metrics=True)
             last = metrics[-1]
             report["wire"][str(s)] = {  # the last interval: pruned from step 0 on, warm
                 "bytes_per_step": last["comm_bytes"], "step_seconds": WIRE_BATCH / last["samples_per_s"],
                 "density_sent": summary.get("sparse", {}).get("gradient_density_sent", 1.0)}
     report["summary"] = summarize(report)
-    table = Table(title=f"sparsity: digits MLP accuracy (2 workers) and wire/time ({report['cluster']})")
-    for column in ("sparsity", "accuracy", "bytes/step", "vs dense", "step ms", "vs dense"):
-        table.add_column(column, justify="right")
+    table = make_table(f"sparsity: digits MLP accuracy (2 workers) and wire/time ({report['cluster']})",
+                       ("sparsity", "accuracy", "bytes/step", "vs dense", "step ms", "vs dense"))
     dense = report["wire"]["0.0"]
     for s in sparsities:
         w = report["wire"][str(s)]
@@ -105,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{w['step_seconds'] * 1e3:.1f}", f"{w['step_seconds'] / dense['step_seconds']:.2f}")
     Console(width=140).print(table)
     Console().print_json(data=report["summary"])
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0
 
 

@@ -1,8 +1,8 @@
 """Your own loop with paraloom's DataParallel engine, under torchrun:
 
-    torchrun --standalone --nproc-per-node 2 examples/dp_engine.py [MODE]
+    torchrun --standalone --nproc-per-node 2 examples/dp_engine.py [VARIANT]
 
-MODE: wait_free (default), fifo, priority, one_step_delay or local_sgd.
+VARIANT: wait_free (default), fifo, priority, one_step_delay or local_sgd.
 """
 
 import os
@@ -17,11 +17,11 @@ from paraloom.config import CommConfig
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.models import build_model
 
-MODES = {"wait_free": {}, "fifo": {"scheduler": "fifo"}, "priority": {"scheduler": "priority"},
+VARIANTS = {"wait_free": {}, "fifo": {"scheduler": "fifo"}, "priority": {"scheduler": "priority"},
          "one_step_delay": {"sync": "one_step_delay"}, "local_sgd": {"sync": "local_sgd", "local_steps": 4}}
 
 if __name__ == "__main__":
-    mode = sys.argv[1] if len(sys.argv) > 1 else "wait_free"
+    variant = sys.argv[1] if len(sys.argv) > 1 else "wait_free"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     split = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("cnn", split.input_shape, split.n_classes)
-    engine = DataParallel(model, topology=groups, comm=CommConfig(**MODES[mode]))
+    engine = DataParallel(model, topology=groups, comm=CommConfig(**VARIANTS[variant]))
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     batches = ShardedBatches(len(split.y_train), 64, rank=groups.dp_rank, world=groups.dp_world_size, seed=0)
     for epoch in range(4):
@@ -43,5 +43,5 @@ if __name__ == "__main__":
     with torch.no_grad():
         accuracy = (model(split.x_test).argmax(1) == split.y_test).float().mean().item()
     if dist.get_rank() == 0:
-        print(f"{mode}: test accuracy {accuracy:.3f}")
+        print(f"{variant}: test accuracy {accuracy:.3f}")
     dist.destroy_process_group()

@@ -12,16 +12,14 @@ from typing import Any
 
 import yaml
 
+from paraloom import choices, rules
+from paraloom.config_faults import parse_faults
 from paraloom.config_io import merge, parse_overrides, read_yaml
-from paraloom.config_world import check_modes, grid, validate_world
+from paraloom.config_world import grid, validate_world
 from paraloom.errors import UserError
 
-ALL_REDUCE_NAMES = ("native", "ring", "halving_doubling", "tree", "one_to_all")
-COMPRESSOR_NAMES = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc", "powersgd")
-_DENSITY_COMPRESSORS = ("topk", "randomk", "dgc")
 
-
-def _choices(*names: str, default: str) -> Any:
+def _one_of(*names: str, default: str) -> Any:
     return field(default=default, metadata={"choices": names})
 
 
@@ -30,7 +28,7 @@ class RunConfig:
     name: str | None = None  # run directory name under out_dir; None -> generated, never reused
     out_dir: str = "runs"  # parent of run directories
     seed: int = 0  # seeds model init and data order (same on every rank)
-    device: str = _choices("auto", "cpu", "cuda", default="auto")  # auto: cuda if available
+    device: str = _one_of(*choices.DEVICES, default="auto")  # auto: cuda if available
     log_every: int = 10  # steps between metrics.jsonl lines
     tensorboard: bool = False  # also write TensorBoard scalars (needs tensorboard installed)
     save_model: bool = True  # write the final model state to model.pt
@@ -49,8 +47,6 @@ class RunConfig:
         if self.checkpoint_every < 0 or self.max_restarts < 0:
             raise UserError("run.checkpoint_every and run.max_restarts must not be negative")
         if self.inject is not None:
-            from paraloom.train.faults import parse_faults
-
             parse_faults(self.inject)
         if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
             raise UserError(f"run.name={self.name!r} must be a plain directory name")
@@ -58,8 +54,7 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _choices("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "vgg16",
-                         default="cnn")  # see models/
+    name: str = _one_of(*choices.MODELS, default="cnn")  # see models/
     hidden: int = 128  # width of the hidden (fully connected) layer(s)
     depth: int = 2  # mlp: number of hidden layers
     channels: int = 32  # cnn: channels of the first convolution (the second has twice as many)
@@ -75,7 +70,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    name: str = _choices("digits", "synthetic", "text", default="digits")  # text: stdlib source bytes
+    name: str = _one_of(*choices.DATASETS, default="digits")  # text: stdlib source bytes
     batch_size: int = 64  # global batch per step, split evenly across data-parallel ranks
     test_fraction: float = 0.2  # held-out share, stratified, fixed by split_seed
     split_seed: int = 0  # seed of the train/test split
@@ -97,7 +92,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: str = _choices("adam", "sgd", default="adam")  # optimizer
+    name: str = _one_of(*choices.OPTIMIZERS, default="adam")  # optimizer
     lr: float = 2e-3  # learning rate
     momentum: float = 0.9  # sgd momentum
     weight_decay: float = 0.0  # L2 penalty
@@ -118,18 +113,18 @@ class OptimConfig:
 class ParallelConfig:
     # dp: data parallel (comm.*), with tp/pp > 1 a dp x tp x pp hybrid; ps: parameter server (ps.*);
     # layers: plain model parallelism, consecutive layers on consecutive ranks, no micro-batches
-    mode: str = _choices("dp", "ps", "layers", default="dp")
+    mode: str = _one_of(*choices.PARALLEL_MODES, default="dp")
     nproc: int = 2  # worker processes per node (`--nproc`)
     tp: int = 1  # tensor-parallel ranks per model replica (Megatron: heads and MLP columns split)
     pp: int = 1  # pipeline stages per model replica (layers mode: every rank is a stage)
     microbatches: int = 1  # pipeline: micro-batches per step (m)
-    schedule: str = _choices("1f1b", "gpipe", default="1f1b")  # pipeline schedule
-    balance: str = _choices("params", "time", default="params")  # pipeline stages balanced by
+    schedule: str = _one_of(*choices.PIPELINE_SCHEDULES, default="1f1b")  # pipeline schedule
+    balance: str = _one_of(*choices.PIPELINE_BALANCE, default="params")  # pipeline stages balanced by
 
     def __post_init__(self) -> None:
         for key in ("nproc", "tp", "pp", "microbatches"):
             _positive(self, key)
-        check_modes(self)
+        rules.check_parallel_layout(mode=self.mode, tp=self.tp, pp=self.pp, microbatches=self.microbatches)
 
     @property
     def model_parallel(self) -> bool:
@@ -139,20 +134,20 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class CommConfig:
-    backend: str = _choices("auto", "gloo", "nccl", default="auto")  # auto: nccl on cuda else gloo
-    algorithm: str = _choices(*ALL_REDUCE_NAMES, default="native")  # gradient all-reduce (see comm)
-    engine: str = _choices("bucketed", "naive", default="bucketed")  # naive: one all-reduce per tensor
-    scheduler: str = _choices("wait_free", "fifo", "priority", default="wait_free")  # launch order/time
+    backend: str = _one_of(*choices.BACKENDS, default="auto")  # auto: nccl on cuda else gloo
+    algorithm: str = _one_of(*choices.ALL_REDUCE_ALGORITHMS, default="native")  # gradient all-reduce
+    engine: str = _one_of(*choices.ENGINES, default="bucketed")  # naive: one all-reduce per tensor
+    scheduler: str = _one_of(*choices.SCHEDULERS, default="wait_free")  # launch order/time
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     first_bucket_mb: float = 1.0  # the first bucket backward fills is small, to start early
     partition_mb: float = 2.0  # priority: tensors are cut into (and small ones merged up to) this size
     credit_mb: float = 8.0  # priority: at most this many MB in flight (planned and enforced)
-    sync: str = _choices("sync", "one_step_delay", "local_sgd", default="sync")  # gradient sync mode
+    sync: str = _one_of(*choices.SYNC_MODES, default="sync")  # gradient sync mode
     local_steps: int = 4  # local_sgd: parameters are averaged every this many steps (H)
     local_warmup: int = 0  # local_sgd: synchronous steps first (post-local SGD)
     delay_lr: float | None = None  # one_step_delay: local compensation step size (None: optim.lr)
     shard_optimizer: bool = False  # ZeRO-style: optimizer state and update sharded across ranks
-    compressor: str = _choices("none", *COMPRESSOR_NAMES, default="none")  # dgc takes sgd's optim.momentum
+    compressor: str = _one_of("none", *choices.COMPRESSORS, default="none")  # dgc takes sgd's optim.momentum
     density: float | None = None  # topk/randomk/dgc: share of elements sent (None: the compressor's)
     bits: int | None = None  # qsgd: bits per element, 8, 4 or 2 (None: 8)
     lowrank: int | None = None  # powersgd: rank r of the approximation (None: 2)
@@ -164,22 +159,12 @@ class CommConfig:
             raise UserError(f"comm.timeout_s={self.timeout_s} must be positive")
         if min(self.bucket_mb, self.first_bucket_mb, self.partition_mb) <= 0:
             raise UserError("comm.bucket_mb, comm.first_bucket_mb and comm.partition_mb must be positive")
-        from paraloom.data_parallel.modes import check_mode
-
-        check_mode(sync=self.sync, scheduler=self.scheduler, shard_optimizer=self.shard_optimizer,
-                   algorithm=self.algorithm, local_steps=self.local_steps, local_warmup=self.local_warmup,
-                   credit_mb=self.credit_mb, compressor=self.compressor)
-        if self.density is not None:
-            if self.compressor not in _DENSITY_COMPRESSORS:
-                raise UserError(f"comm.density applies to compressors {', '.join(_DENSITY_COMPRESSORS)}, "
-                                f"not comm.compressor={self.compressor}")
-            if not 0 < self.density <= 1:
-                raise UserError(f"comm.density={self.density} must lie in (0, 1]")
-        if self.bits is not None and (self.compressor != "qsgd" or self.bits not in (2, 4, 8)):
-            raise UserError(f"comm.bits={self.bits} applies to comm.compressor=qsgd, with 8, 4 or 2 bits")
-        if self.lowrank is not None and (self.compressor != "powersgd" or self.lowrank < 1):
-            raise UserError(f"comm.lowrank={self.lowrank} applies to comm.compressor=powersgd, "
-                            "and must be at least 1")
+        rules.check_dp_options(sync=self.sync, scheduler=self.scheduler, shard_optimizer=self.shard_optimizer,
+                               algorithm=self.algorithm, local_steps=self.local_steps,
+                               local_warmup=self.local_warmup, credit_mb=self.credit_mb,
+                               compressor=self.compressor)
+        rules.check_compressor_options(self.compressor, density=self.density, bits=self.bits,
+                                       lowrank=self.lowrank)
 
     def compressor_options(self) -> dict[str, Any]:
         """Keyword options for `paraloom.compress.make_compressor` from the keys that were set."""
@@ -196,7 +181,7 @@ class CommConfig:
 @dataclass(kw_only=True)
 class PSConfig:
     servers: int = 1  # parameter-server processes (ranks after the workers), each owning a shard
-    consistency: str = _choices("bsp", "asp", "ssp", default="bsp")  # when a worker may read
+    consistency: str = _one_of(*choices.CONSISTENCY, default="bsp")  # when a worker may read
     staleness: int = 3  # ssp: clocks a worker may run ahead of the slowest
     overlap: bool = True  # push each slice during backward, load each reply when forward needs it
     partition_mb: float = 0.5  # a server's shard travels as slices of at most this size, each on its own
@@ -212,12 +197,12 @@ class PSConfig:
 @dataclass(kw_only=True)
 class SparseConfig:
     sparsity: float = 0.0  # final share of pruned Linear/Conv2d weights (magnitude); 0: dense training
-    schedule: str = _choices("gradual", "oneshot", default="gradual")  # gradual: cubic (Zhu & Gupta 2017)
+    schedule: str = _one_of(*choices.PRUNING_SCHEDULES, default="gradual")  # gradual: cubic (Zhu & Gupta)
     initial: float = 0.0  # gradual: sparsity at start_step
     start_step: int = 0  # first mask update (oneshot: the only one)
     end_step: int | None = None  # gradual: last mask update (None: half of the run's steps)
     every: int = 10  # gradual: steps between mask updates
-    scope: str = _choices("layer", "global", default="layer")  # one threshold per tensor, or one overall
+    scope: str = _one_of(*choices.PRUNING_SCOPES, default="layer")  # one threshold per tensor, or one overall
     structured: bool = False  # prune whole neurons / output channels (by L2 norm) instead of weights
     sync_threshold: float = 0.5  # gradient pieces below this density send only their unmasked values
 
@@ -252,19 +237,12 @@ class Config:
     sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self) -> None:
-        if self.sparse.sparsity > 0 and (self.parallel.mode != "dp" or self.parallel.model_parallel
-                                         or self.comm.compressor != "none" or self.comm.sync != "sync"
-                                         or self.comm.engine != "bucketed"):
-            raise UserError("sparse.sparsity > 0 runs in data-parallel training (parallel.mode=dp, no tp/pp) "
-                            "with comm.sync=sync, comm.engine=bucketed and comm.compressor=none: the masks "
-                            "are its compression")
-        if self.parallel.mode == "ps" and self.comm.compressor != "none":
-            from paraloom.parameter_server.message import PUSHABLE
-
-            if self.comm.compressor not in PUSHABLE:
-                raise UserError(f"parallel.mode=ps cannot compress pushes with comm.compressor="
-                                f"{self.comm.compressor} (its payload size or decoding changes from step "
-                                f"to step); choose none or one of: {', '.join(PUSHABLE)}")
+        if self.sparse.sparsity > 0:
+            rules.check_sparse_training(mode=self.parallel.mode, model_parallel=self.parallel.model_parallel,
+                                        compressor=self.comm.compressor, sync=self.comm.sync,
+                                        engine=self.comm.engine)
+        if self.parallel.mode == "ps":
+            rules.check_push_compressor(self.comm.compressor)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -326,7 +304,7 @@ def _type_text(tp: Any) -> str:
 _FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
-def _coerce(key: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -> Any:
+def _coerce(key: str, value: Any, tp: Any, allowed: tuple[str, ...] | None) -> Any:
     """Check one value against its annotation; ints widen to floats, nothing else converts."""
     options = typing.get_args(tp) or (tp,)
     if value is None:
@@ -346,9 +324,7 @@ def _coerce(key: str, value: Any, tp: Any, choices: tuple[str, ...] | None) -> A
                     raise UserError(f"{key} must be a finite number, got {value!r}")
                 return float(value)
         if option is str and isinstance(value, str):
-            if choices and value not in choices:
-                raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")
-            return value
+            return rules.check_name(key, value, allowed) if allowed else value
     wanted = " or ".join(_type_text(o) for o in options if o is not type(None))
     raise UserError(f"{key} must be {wanted}, got {value!r}")
 

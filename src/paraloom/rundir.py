@@ -14,14 +14,14 @@ PREPARED = {"config.yaml", "nodes"}  # what a launcher writes before the workers
 
 def default_name(cfg: Config, world: int) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    mode = f"{cfg.parallel.mode}{world}"
+    layout = f"{cfg.parallel.mode}{world}"
     if cfg.parallel.model_parallel and cfg.parallel.mode != "layers":
         try:
             dp, tp, pp = cfg.grid(world)
-            mode = f"dp{dp}tp{tp}pp{pp}"
+            layout = f"dp{dp}tp{tp}pp{pp}"
         except UserError:
             pass  # the grid is refused later, with its own message
-    return f"{cfg.model.name}-{cfg.data.name}-{mode}-{stamp}"
+    return f"{cfg.model.name}-{cfg.data.name}-{layout}-{stamp}"
 
 
 def new_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = None) -> Path:

@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,11 +68,73 @@ def test_cli_up_status_down(capsys):
     assert _ours(f"plm-{name}-") == []
 
 
-def test_without_root_it_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                           sys.executable, "-m", "paraloom", "cluster", "up", "--nodes", "2",
-                           "--name", _name()], capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=60)
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+# prints the installed packages `paraloom cluster up` loads on its way to the root check: the same
+# parsing and command, stopped (by --latency) before anything is made
+_LOADED_BY_CLUSTER_UP = (
+    "import site, sys\n"
+    "before = set(sys.modules)\n"
+    "from paraloom.cli import main\n"
+    "assert main(['cluster', 'up', '--nodes', '2', '--name', 'probe', '--latency', '5ms']) == 2\n"
+    "roots = tuple(site.getsitepackages())\n"
+    "for name in sorted(set(sys.modules) - before):\n"
+    "    mod, where = sys.modules[name], getattr(sys.modules[name], '__file__', None) or ''\n"
+    "    if '.' not in name and where.startswith(roots):\n"
+    "        print(list(mod.__path__)[0] if hasattr(mod, '__path__') else where)\n")
+
+
+def _copy_for_anyone(lib: Path) -> None:
+    """src/paraloom and the installed packages the CLI needs on its way to the root check, copied
+    into `lib` and readable by every user: the checkout (and the venv inside it) may sit in a
+    directory only its owner can enter, such as a clone under /root or `mktemp -d`."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "src" / "paraloom", lib / "paraloom", ignore=ignore)
+    found = subprocess.run([sys.executable, "-c", _LOADED_BY_CLUSTER_UP], capture_output=True, text=True,
+                           timeout=60)
+    assert found.returncode == 0, found.stderr
+    for source in map(Path, found.stdout.split()):
+        if source.is_dir():
+            shutil.copytree(source, lib / source.name, ignore=ignore)
+        else:
+            shutil.copy(source, lib / source.name)
+    for folder, _, files in os.walk(lib):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+
+
+def _python_for_nobody(cwd: Path) -> str:
+    """A Python interpreter of this version that user nobody can run: the venv's `bin/python`
+    lies inside the checkout, so try what it points at, then the system's."""
+    want = "{}.{}".format(*sys.version_info[:2])
+    version = "import sys; print(*sys.version_info[:2], sep='.')"
+    candidates = [os.path.realpath(sys.executable), getattr(sys, "_base_executable", ""),
+                  shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "",
+                  f"/usr/bin/python{want}"]
+    for python in dict.fromkeys(filter(None, candidates)):
+        try:
+            probe = subprocess.run([*NOBODY, python, "-c", version],
+                                   capture_output=True, text=True, cwd=cwd, timeout=30)
+        except OSError:
+            continue
+        if probe.returncode == 0 and probe.stdout.strip() == want:
+            return python
+    pytest.skip(f"no Python {want} interpreter that user nobody can run (tried {candidates})")
+
+
+def test_without_root_it_is_one_line_and_exit_2():
+    """Run as user nobody, from a copy of what the CLI needs that every user can read."""
+    where = Path(tempfile.mkdtemp(prefix="paraloom-nobody-", dir="/tmp"))
+    try:
+        os.chmod(where, 0o755)
+        _copy_for_anyone(where / "lib")
+        env = {key: value for key, value in os.environ.items() if not key.startswith("PYTHON")}
+        env.update(PYTHONPATH=str(where / "lib"), PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.run([*NOBODY, _python_for_nobody(where), "-m", "paraloom", "cluster", "up",
+                               "--nodes", "2", "--name", _name()],
+                              capture_output=True, text=True, cwd=where, env=env, timeout=60)
+    finally:
+        shutil.rmtree(where)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "paraloom: error: the emulated cluster needs root or CAP_NET_ADMIN (network namespaces); "
@@ -152,7 +216,7 @@ def test_collectives_benchmark_quick(tmp_path):
 
 
 def test_collective_traffic_really_crosses_the_shaped_links():
-    from paraloom.comm.bench import run_collectives
+    from paraloom.bench.collectives import run_collectives
 
     spec = ClusterSpec(2, parse_rate("100mbit"), _name())
     with EmulatedCluster(spec) as cluster:
@@ -180,7 +244,7 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
 
 
 def test_calibration_measures_gloos_all_reduce_per_dtype_on_a_cluster_like_another():
-    from paraloom.cli_perf import _emulated_like
+    from paraloom.cli.perf import _emulated_like
     from paraloom.perfmodel.calibrate import measure_groups
 
     with EmulatedCluster(ClusterSpec(2, parse_rate("1gbit"), _name())) as pair:

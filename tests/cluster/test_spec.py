@@ -2,9 +2,9 @@
 
 import pytest
 
+from paraloom.bench.collectives import format_size, parse_sizes
 from paraloom.cluster import ClusterSpec, parse_emulate, parse_rate
 from paraloom.cluster.spec import format_rate
-from paraloom.comm.bench import format_size, parse_sizes
 from paraloom.errors import UserError
 
 

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 from distributed import run_workers
 
-from paraloom.comm.algorithms import ALL_REDUCE_NAMES, all_gather, all_reduce, block_of, reduce_scatter
+from paraloom.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.comm.algorithms import all_gather, all_reduce, block_of, reduce_scatter
 from paraloom.errors import UserError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64)
@@ -31,7 +32,7 @@ def _reference(x, op, world):
 
 def _mismatches(rank, world, numels, dtypes, segment_bytes=None):
     bad = []
-    for algorithm in ALL_REDUCE_NAMES:
+    for algorithm in ALL_REDUCE_ALGORITHMS:
         for dtype in dtypes:
             for numel in numels:
                 for op in OPS:
@@ -64,7 +65,7 @@ def test_all_algorithms_on_eight_ranks():
 
 def _large(rank, world, dtype, op):
     bad = []
-    for algorithm in ALL_REDUCE_NAMES:
+    for algorithm in ALL_REDUCE_ALGORITHMS:
         x = _input(rank, 16 * 2**20, dtype, salt=7)
         ref = _reference(x, op, world)
         all_reduce(x, algorithm=algorithm, op=op)
@@ -85,7 +86,7 @@ def _shapes_and_floats(rank, world):
     results = []
     gen = torch.Generator().manual_seed(rank)
     base = torch.randn(6, 5, generator=gen)
-    for algorithm in ALL_REDUCE_NAMES:
+    for algorithm in ALL_REDUCE_ALGORITHMS:
         x = base.t()  # not contiguous: reduced through a flat copy, written back in place
         ref = _reference(x.contiguous(), dist.ReduceOp.AVG, world)
         all_reduce(x, algorithm=algorithm, op=dist.ReduceOp.AVG)
@@ -104,7 +105,7 @@ def _subgroup(rank, world):
     group = dist.new_group([1, 3])
     out = {}
     if rank in (1, 3):
-        for algorithm in ALL_REDUCE_NAMES:
+        for algorithm in ALL_REDUCE_ALGORITHMS:
             x = torch.full((5,), float(rank))
             all_reduce(x, algorithm=algorithm, group=group)
             out[algorithm] = x.tolist()

@@ -5,8 +5,9 @@ import time
 
 import pytest
 
+from paraloom.comm.executor import CreditExecutor
+from paraloom.comm.policies import CommTask, WaitFreeScheduler
 from paraloom.comm.priority import PlanTask, PriorityScheduler, busy_seconds, plan_order
-from paraloom.comm.schedule import CommTask, CreditExecutor, WaitFreeScheduler
 
 
 def test_everything_ready_goes_in_priority_order():

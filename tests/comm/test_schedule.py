@@ -3,14 +3,9 @@
 import pytest
 import torch
 
-from paraloom.comm.schedule import (
-    CommTask,
-    CommThread,
-    Executor,
-    FifoScheduler,
-    WaitFreeScheduler,
-    make_scheduler,
-)
+from paraloom.comm.executor import CommThread, Executor
+from paraloom.comm.policies import CommTask, FifoScheduler, WaitFreeScheduler
+from paraloom.comm.schedulers import make_scheduler
 from paraloom.data_parallel.bucket import assign_buckets
 from paraloom.errors import UserError
 

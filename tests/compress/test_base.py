@@ -44,5 +44,5 @@ def test_error_feedback_keeps_what_was_not_sent_per_key():
 
 
 def test_an_unknown_compressor_lists_the_known_ones():
-    with pytest.raises(UserError, match="comm.compressor='nope' is not known; choose one of"):
+    with pytest.raises(UserError, match="comm.compressor='nope' is not valid; choose one of"):
         make_compressor("nope")

@@ -7,7 +7,7 @@ import torch
 from distributed import run_workers
 from dp_reference import reference, setup, steps
 
-from paraloom.config import COMPRESSOR_NAMES
+from paraloom.choices import COMPRESSORS as COMPRESSOR_NAMES
 from paraloom.data_parallel import DataParallel
 from paraloom.errors import UserError
 from paraloom.train.trainer import batch_loss
@@ -63,7 +63,7 @@ def test_hand_written_collectives_carry_compressed_payloads_too():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"compressor": "nope"}, "comm.compressor='nope' is not known"),
+    ({"compressor": "nope"}, "comm.compressor='nope' is not valid"),
     ({"compressor": "topk", "sync": "one_step_delay"}, "not with one_step_delay or shard_optimizer"),
     ({"compressor": "fp16", "shard_optimizer": True}, "not with one_step_delay or shard_optimizer"),
 ])

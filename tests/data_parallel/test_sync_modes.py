@@ -217,7 +217,7 @@ def _sharded_adam(rank, world, hidden):
         loss.backward()
         engine.step(optimizer)
     engine.finish()
-    out = engine.mode.state_bytes(), len(optimizer.state), len(engine.buckets), _params(model)
+    out = engine.updater.state_bytes(), len(optimizer.state), len(engine.buckets), _params(model)
     engine.close()
     return out
 

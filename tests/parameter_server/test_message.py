@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from paraloom.choices import FIXED_SIZE_COMPRESSORS
 from paraloom.compress import make_compressor
 from paraloom.errors import UserError
-from paraloom.parameter_server.message import PUSHABLE, SLOTS, Message, PushCodec, run_token
+from paraloom.parameter_server.message import SLOTS, Message, PushCodec, run_token
 from paraloom.parameter_server.train import all_workers_throughput
 
 
@@ -51,7 +52,7 @@ def test_compressed_pushes_decode_as_the_compressor_does(name, options):
 
 
 def test_pushes_refuse_compressors_whose_payload_changes():
-    assert "randomk" not in PUSHABLE and "powersgd" not in PUSHABLE
+    assert "randomk" not in FIXED_SIZE_COMPRESSORS and "powersgd" not in FIXED_SIZE_COMPRESSORS
     for name in ("randomk", "powersgd"):
         with pytest.raises(UserError, match="cannot compress parameter-server pushes"):
             PushCodec(100, name)

@@ -70,7 +70,7 @@ def test_asp_and_ssp_reach_bsp_accuracy_within_one_point():
 
 
 def test_ps_mode_refuses_what_it_does_not_do_yet():
-    with pytest.raises(UserError, match="cannot compress pushes with comm.compressor=randomk"):
+    with pytest.raises(UserError, match="comm.compressor=randomk cannot compress parameter-server pushes"):
         _cfg("parallel.mode=ps", "comm.compressor=randomk")
     with pytest.raises(UserError, match="choose none or one of: fp16, bf16"):
         _cfg("parallel.mode=ps", "comm.compressor=powersgd")

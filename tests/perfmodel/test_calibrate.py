@@ -211,7 +211,7 @@ def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeyp
         rows = [{"bytes": s, "seconds": 1e-4 + s / 1e9} for s in sizes]  # alpha-beta exact: 1 GB/s
         return {"results": rows, "config": {"world_size": 2}}
 
-    monkeypatch.setattr("paraloom.comm.bench.run_collectives", fake_run)
+    monkeypatch.setattr("paraloom.bench.collectives.run_collectives", fake_run)
     alpha, bandwidth, _ = cal.measure_link(cluster(10**10), algorithm="native")
     assert swept["sizes"][-1] == 2**26 and bandwidth == pytest.approx(1e9 * 2 * (2 - 1) / 2, rel=0.05)
     cal.measure_link(cluster(10**9), algorithm="native")  # fitted on 4 and 16 MiB
@@ -229,7 +229,7 @@ def test_a_links_alpha_is_its_floor_and_a_groups_its_median_repeat(monkeypatch):
                  "seconds_min": 1e-4 + s / 1e8} for s in sizes]
         return {"results": rows, "config": {"world_size": 2}}
 
-    monkeypatch.setattr("paraloom.comm.bench.run_collectives", fake_run)
+    monkeypatch.setattr("paraloom.bench.collectives.run_collectives", fake_run)
     wire = SimpleNamespace(spec=SimpleNamespace(rate_bits=10**8))
     alpha, bandwidth, _ = cal.measure_link(wire, algorithm="ring", floor=True)
     assert alpha == pytest.approx(5e-5, rel=1e-6) and bandwidth == pytest.approx(1e8, rel=1e-3)

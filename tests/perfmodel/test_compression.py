@@ -5,9 +5,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from paraloom.choices import COMPRESSORS as COMPRESSOR_NAMES
 from paraloom.compress import COMPRESSORS, make_compressor
 from paraloom.compress.powersgd import PowerSGDState
-from paraloom.config import COMPRESSOR_NAMES
 from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.errors import UserError
 from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time, powersgd_rounds, summable

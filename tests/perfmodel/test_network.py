@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from paraloom.config import ALL_REDUCE_NAMES
+from paraloom.choices import ALL_REDUCE_ALGORITHMS
 from paraloom.errors import UserError
 from paraloom.perfmodel.network import (
     allgather_time,
@@ -58,7 +58,7 @@ def test_allreduce_against_hand_counts(algorithm, n):
     assert allreduce_time(S, n, GBIT, algorithm) == pytest.approx(c_lat * 1e-4 + c_bw * S / 1.25e8)
 
 
-@pytest.mark.parametrize("algorithm", ALL_REDUCE_NAMES)
+@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
 def test_one_rank_costs_nothing(algorithm):
     assert allreduce_time(S, 1, GBIT, algorithm) == 0
     assert hierarchical_allreduce_time(S, 1, 1, NVLINK, GBIT, algorithm) == 0
@@ -77,7 +77,7 @@ def test_halving_doubling_moves_the_ring_bytes_on_powers_of_two(n):
     assert allreduce_coefficients(n, "halving_doubling")[0] == 2 * (n.bit_length() - 1)  # 2 log2 n steps
 
 
-@pytest.mark.parametrize("algorithm", ALL_REDUCE_NAMES)
+@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
 def test_monotone_in_size(algorithm):
     times = [allreduce_time(s, 5, GBIT, algorithm) for s in (0, 1e3, 1e6, 1e8)]
     assert times == sorted(times) and times[0] > 0  # latency remains at size 0

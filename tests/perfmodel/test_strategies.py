@@ -215,7 +215,7 @@ def test_split_stages_minimizes_the_slowest_stage():
 def test_bad_plans_and_batches_are_one_line_errors():
     with pytest.raises(UserError, match="choose a multiple of 12"):
         estimate(model(), hardware(), Plan(dp=3, microbatches=4), 10)
-    with pytest.raises(UserError, match="scheduler='lifo' is not known"):
+    with pytest.raises(UserError, match="scheduler='lifo' is not valid"):
         Plan(scheduler="lifo")
     with pytest.raises(UserError, match="whole replicas"):
         Plan(tp=2, servers=1)

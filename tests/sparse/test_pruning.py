@@ -65,7 +65,7 @@ def test_gradual_due_every_and_cubic_target():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    ({"kind": "cubic", "final": 0.5}, "oneshot, gradual"),
+    ({"kind": "cubic", "final": 0.5}, "gradual, oneshot"),
     ({"kind": "oneshot", "final": 1.0}, "final < 1"),
     ({"kind": "oneshot", "final": -0.1}, "0 <= initial"),
     ({"kind": "gradual", "final": 0.5, "initial": 0.6, "end": 10}, "initial <= final"),

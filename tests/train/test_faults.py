@@ -2,8 +2,9 @@
 
 import pytest
 
+from paraloom.config_faults import Fault, check_faults, parse_faults
 from paraloom.errors import UserError
-from paraloom.train.faults import Fault, FaultInjector, check_faults, parse_faults
+from paraloom.train.faults import FaultInjector
 
 
 def test_parse_every_kind():

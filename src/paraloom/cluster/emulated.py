@@ -56,6 +56,16 @@ def list_clusters() -> dict[str, EmulatedCluster]:
             for name, nodes in sorted(found.items()) if nodes >= 2}
 
 
+def free_name(prefix: str) -> str:
+    """`prefix` and the first number no cluster up now is called by: emu0, emu1, ..."""
+    taken = list_clusters()
+    name = next((f"{prefix}{i}" for i in range(1000) if f"{prefix}{i}" not in taken), None)
+    if name is None:
+        raise UserError(f"clusters {prefix}0 to {prefix}999 are all up; "
+                        "take some down (`paraloom cluster down`)")
+    return name
+
+
 def _read_rate(name: str) -> int:
     out = _ip("netns", "exec", f"{PREFIX}-{name}-n0", "tc", "qdisc", "show", "dev", "eth0",
               check=False).stdout

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from paraloom.choices import ALL_REDUCE_ALGORITHMS, SHARDABLE_ALGORITHMS
 from paraloom.comm.p2p import Peers, exchange, pieces, recv, segment_elems, send
-from paraloom.config import ALL_REDUCE_NAMES
-from paraloom.errors import UserError
+from paraloom.rules import check_name
 
 TAG_STRIDE = 1 << 16
 RING_LOOKAHEAD = 1
@@ -211,12 +211,10 @@ def one_to_all(flat: torch.Tensor, peers: Peers, *, elems: int | None = None) ->
 ALGORITHMS: dict[str, Callable[..., None]] = {
     "ring": ring, "halving_doubling": halving_doubling, "tree": tree, "one_to_all": one_to_all,
 }
-assert ALL_REDUCE_NAMES == ("native", *ALGORITHMS), "config.ALL_REDUCE_NAMES lists every algorithm"
 
 
-def check_algorithm(name: str, choices: tuple[str, ...] = ALL_REDUCE_NAMES) -> None:
-    if name not in choices:
-        raise UserError(f"comm.algorithm={name!r} is not known; choose one of: {', '.join(choices)}")
+def check_algorithm(name: str, allowed: tuple[str, ...] = ALL_REDUCE_ALGORITHMS) -> None:
+    check_name("comm.algorithm", name, allowed)
 
 
 def _average(tensor: torch.Tensor, n: int) -> None:
@@ -276,7 +274,7 @@ def reduce_scatter(tensor: torch.Tensor, *, algorithm: str = "ring",
                    op: dist.ReduceOp.RedOpType = _SUM,
                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce a contiguous tensor; return this rank's block (a view of `tensor`, which it clobbers)."""
-    check_algorithm(algorithm, ("native", "ring"))
+    check_algorithm(algorithm, SHARDABLE_ALGORITHMS)
     peers = Peers(group)
     flat = tensor.view(-1)
     mine = block_of(flat, peers.rank, peers.size)
@@ -295,7 +293,7 @@ def reduce_scatter(tensor: torch.Tensor, *, algorithm: str = "ring",
 def all_gather(tensor: torch.Tensor, *, algorithm: str = "ring",
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Fill every rank's block of a contiguous tensor from the rank that holds it, in place."""
-    check_algorithm(algorithm, ("native", "ring"))
+    check_algorithm(algorithm, SHARDABLE_ALGORITHMS)
     peers = Peers(group)
     flat = tensor.view(-1)
     if algorithm == "ring":

@@ -15,7 +15,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from paraloom.comm.schedule import WaitFreeScheduler
+from paraloom.comm.policies import WaitFreeScheduler
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,19 @@
 """Gradient compression: the Compressor protocol, its registry, and one algorithm per module.
 
-Registered names: fp16, bf16, qsgd, onebit, efsign, topk, randomk, dgc; PowerSGD's math is
-`paraloom.compress.powersgd.PowerSGDState` (a multi-round reducer). `ddp_hook(name, **options)`
-runs any of them (and "powersgd") as a torch DDP communication hook.
+The names and the module that implements each are `paraloom.choices.COMPRESSOR_MODULES`;
+importing this package imports those modules, whose `@register(name)` classes fill
+`COMPRESSORS`. PowerSGD's math is `paraloom.compress.powersgd.PowerSGDState` (a multi-round
+reducer, not a compress/decompress pair). `ddp_hook(name, **options)` runs any of them (and
+"powersgd") as a torch DDP communication hook.
 """
 
-from paraloom.compress import dgc, fp16, qsgd, sign, topk  # noqa: F401 - importing registers them
+import importlib
+
+from paraloom.choices import COMPRESSOR_MODULES
 from paraloom.compress.base import COMPRESSORS, Compressor, ErrorFeedback, make_compressor, register
 from paraloom.compress.ddp import ddp_hook
+
+for _module in sorted(set(COMPRESSOR_MODULES.values())):
+    importlib.import_module(f"paraloom.compress.{_module}")
 
 __all__ = ["COMPRESSORS", "Compressor", "ErrorFeedback", "ddp_hook", "make_compressor", "register"]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from paraloom.errors import UserError
+from paraloom.rules import check_name
 
 COMPRESSORS: dict[str, type] = {}
 
@@ -47,10 +48,8 @@ def register(name: str):
 
 
 def make_compressor(name: str, **options: Any):
-    if name not in COMPRESSORS:
-        known = ", ".join(sorted(COMPRESSORS))
-        raise UserError(f"comm.compressor={name!r} is not known; choose one of: {known}")
-    return COMPRESSORS[name](**options)
+    """A fresh compressor registered as `name`; an unknown name lists the registered ones."""
+    return COMPRESSORS[check_name("comm.compressor", name, sorted(COMPRESSORS))](**options)
 
 
 class ErrorFeedback:

@@ -37,7 +37,7 @@ def assign_buckets(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int,
 class Bucket:
     """A flat buffer whose slices are the `.grad` of its parameters.
 
-    Sync modes that average or shard parameters also keep the parameters themselves in a flat
+    Updaters that average or shard parameters also keep the parameters themselves in a flat
     buffer of the same layout (`flatten_params`); OD-SGD keeps a second gradient buffer (`spare`)
     to reduce one step's gradients while the next step's accumulate.
     """

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from paraloom.data_parallel.modes import DONE, SyncMode
+from paraloom.data_parallel.synchronous import DONE, SyncUpdater
 
 
-class DelayedMode(SyncMode):
-    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+class DelayedUpdater(SyncUpdater):
+    guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
 
     def __init__(self, engine, *, lr: float | None) -> None:
         super().__init__(engine)

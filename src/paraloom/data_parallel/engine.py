@@ -3,10 +3,11 @@
 Gradients live in flat bucket buffers (`p.grad` is a view, so nothing is copied per step).
 As backward produces the last gradient of a bucket, the bucket's pieces (the whole bucket, or
 partitions of it under the priority scheduler) are handed to the scheduler, which launches
-their collectives in one order on every rank. What happens after backward is the sync mode's
-business (`engine.step(optimizer)`): synchronous averaging (modes.py), deferred per-module
-updates (priority.py), one-step-delay SGD (delayed.py), local SGD (local_sgd.py) or a sharded
-optimizer (shard.py). Parameters that got no gradient in a step count as zero.
+their collectives in one order on every rank. What happens after backward
+(`engine.step(optimizer)`) is the updater's business, picked in updaters.py: synchronous
+averaging (synchronous.py), deferred per-module updates (priority.py), one-step-delay SGD
+(delayed.py), local SGD (local_sgd.py) or a sharded optimizer (shard.py). Parameters that got
+no gradient in a step count as zero.
 """
 
 from __future__ import annotations
@@ -19,21 +20,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraloom.comm.algorithms import all_reduce, check_algorithm
+from paraloom.comm.algorithms import all_reduce
 from paraloom.comm.collectives import CommStats, broadcast, private_group
-from paraloom.comm.schedule import CommTask, CommThread, CreditExecutor, Executor, make_scheduler
+from paraloom.comm.executor import CommThread, CreditExecutor, Executor
+from paraloom.comm.policies import CommTask
+from paraloom.comm.schedulers import make_scheduler
+from paraloom.compress import make_compressor
+from paraloom.config import CommConfig
 from paraloom.data_parallel.bucket import Bucket, Piece, assign_buckets, cut_pieces
 from paraloom.data_parallel.finite import all_finite, not_finite
-from paraloom.data_parallel.modes import DONE, check_mode, make_mode
+from paraloom.data_parallel.lowrank import PowerSGDReducer
+from paraloom.data_parallel.synchronous import DONE
+from paraloom.data_parallel.updaters import make_updater
+from paraloom.rules import check_dp_options
 
 MB = 2**20
 
-
-ENGINE_OPTIONS = {  # keyword -> default; the same names as the comm.* config keys
-    "bucket_mb": 25.0, "first_bucket_mb": 1.0, "scheduler": "wait_free", "algorithm": "native",
-    "sync": "sync", "local_steps": 4, "local_warmup": 0, "shard_optimizer": False,
-    "partition_mb": 2.0, "credit_mb": 8.0, "delay_lr": None, "compressor": None,
-}
+# The engine's options are the comm.* config keys of the same names, with CommConfig's defaults:
+# one source of defaults for the engine, the CLI and the performance model.
+ENGINE_OPTIONS = ("bucket_mb", "first_bucket_mb", "scheduler", "algorithm", "sync", "local_steps",
+                  "local_warmup", "shard_optimizer", "partition_mb", "credit_mb", "delay_lr", "compressor")
+_D = CommConfig()
 
 
 class DataParallel(nn.Module):
@@ -45,40 +52,37 @@ class DataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, scheduler: str = "wait_free",
-                 algorithm: str = "native", stats: CommStats | None = None, sync: str = "sync",
-                 local_steps: int = 4, local_warmup: int = 0, shard_optimizer: bool = False,
-                 partition_mb: float = 2.0, credit_mb: float = 8.0, delay_lr: float | None = None,
-                 compressor: str | None = None, compressor_options: dict | None = None,
+                 bucket_mb: float = _D.bucket_mb, first_bucket_mb: float = _D.first_bucket_mb,
+                 scheduler: str = _D.scheduler, algorithm: str = _D.algorithm, stats: CommStats | None = None,
+                 sync: str = _D.sync, local_steps: int = _D.local_steps, local_warmup: int = _D.local_warmup,
+                 shard_optimizer: bool = _D.shard_optimizer, partition_mb: float = _D.partition_mb,
+                 credit_mb: float = _D.credit_mb, delay_lr: float | None = _D.delay_lr,
+                 compressor: str | None = _D.compressor, compressor_options: dict | None = None,
                  timeline=None, comm_group: dist.ProcessGroup | None = None,
                  topology=None, comm=None) -> None:
         super().__init__()
         if comm is not None:
-            given = {k: v for k, v in locals().items() if k in ENGINE_OPTIONS and v != ENGINE_OPTIONS[k]}
+            given = {k: v for k, v in locals().items() if k in ENGINE_OPTIONS and v != getattr(_D, k)}
             if given:
                 raise TypeError(f"give engine options in comm= or as keywords, not both: {sorted(given)}")
             (bucket_mb, first_bucket_mb, scheduler, algorithm, sync, local_steps, local_warmup,
              shard_optimizer, partition_mb, credit_mb, delay_lr, compressor) = map(comm.__getattribute__,
                                                                                   ENGINE_OPTIONS)
             compressor_options = {**comm.compressor_options(), **(compressor_options or {})}
+        compressor = compressor or "none"
         if topology is not None:
             if group is not None:
                 raise TypeError("give group= or topology=, not both")
             groups = topology.init_groups() if hasattr(topology, "init_groups") else topology
             group = groups.dp_group
-        check_algorithm(algorithm)  # refuse bad options before touching the model or the group
-        check_mode(sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer, algorithm=algorithm,
-                   local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
-                   compressor=compressor)
-        make_scheduler(scheduler)
+        # refuse bad options before touching the model or the group
+        check_dp_options(sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer, algorithm=algorithm,
+                         local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
+                         compressor=compressor)
         self.compressor = None
         if compressor == "powersgd":
-            from paraloom.data_parallel.lowrank import PowerSGDReducer
-
             self.compressor = PowerSGDReducer(**(compressor_options or {}))
-        elif compressor not in (None, "none"):
-            from paraloom.compress import make_compressor
-
+        elif compressor != "none":
             self.compressor = make_compressor(compressor, **(compressor_options or {}))
         self.module = module
         self.group = group
@@ -103,7 +107,7 @@ class DataParallel(nn.Module):
         self._guard_group: dist.ProcessGroup | None = None
         self._guard_sums = False  # guard_nonfinite() on the averaged gradients, without a flag
         self._sync = True  # False inside no_sync()
-        self.reduce_in_backward = True  # the sync mode turns this off for steps without gradient traffic
+        self.reduce_in_backward = True  # the updater turns this off for steps without gradient traffic
         self.copies = 0  # gradients that arrived outside their bucket and had to be copied in
         self.forward_done_at = 0.0
         self.ready_at: dict[int, float] = {}  # piece key -> seconds from end of forward to ready
@@ -128,14 +132,14 @@ class DataParallel(nn.Module):
                 self._slot[p] = (bucket, slot)
                 bucket.bind(slot)
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self.mode = make_mode(self, sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer,
-                              local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
-                              delay_lr=delay_lr)
+        self.updater = make_updater(self, sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer,
+                                    local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
+                                    delay_lr=delay_lr)
         self._reset()
 
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
-        self.mode.after_forward()
+        self.updater.after_forward()
         self.forward_done_at = time.perf_counter()
         return out
 
@@ -191,7 +195,7 @@ class DataParallel(nn.Module):
 
             def on_done():
                 times[1] = time.perf_counter() - self.forward_done_at
-        return self.mode.launch(piece, on_done)
+        return self.updater.launch(piece, on_done)
 
     def complete_missing(self) -> None:
         """After backward: parameters that got no gradient count as zero; their buckets become ready."""
@@ -252,9 +256,9 @@ class DataParallel(nn.Module):
     def sync_gradients(self) -> None:
         """After backward: reduce whatever is not in flight yet, wait for all, average `.grad`.
 
-        The classic loop (`sync_gradients(); optimizer.step()`), for the synchronous modes.
+        The classic loop (`sync_gradients(); optimizer.step()`), for the synchronous updater.
         """
-        self.mode.check_classic()
+        self.updater.check_classic()
         self.complete_missing()
         start = time.perf_counter()
         self._executor.wait_all(self.n_pieces)
@@ -268,7 +272,7 @@ class DataParallel(nn.Module):
         """From now on `step()` skips, on every rank alike, a step whose gradients hold NaN or Inf
         on any rank.
 
-        Plain synchronous averaging (`SyncMode.guards_on_sums`), uncompressed or cast to fp16 or
+        Plain synchronous averaging (`SyncUpdater.guards_on_sums`), uncompressed or cast to fp16 or
         bf16 without error feedback (`carries_nonfinite`), with no `group` given needs no
         communication of its own: every rank checks the averaged gradients,
         which are the same on every rank and carry any rank's NaN or Inf. Otherwise the backward
@@ -277,7 +281,7 @@ class DataParallel(nn.Module):
         the engine's own collectives): a blocking collective per step, and a barrier before it.
         """
         carried = self.compressor is None or getattr(self.compressor, "carries_nonfinite", False)
-        if group is None and self.mode.guards_on_sums and carried:
+        if group is None and self.updater.guards_on_sums and carried:
             self._guard_sums = True
             return
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.buckets[0].buffer.device
@@ -291,12 +295,12 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """After backward: synchronize as the sync mode says, update with `optimizer`, zero gradients.
+        """After backward: synchronize as the updater says, update with `optimizer`, zero gradients.
 
         Returns False when the non-finite guard (`guard_nonfinite`) skipped the step.
         """
         if self._guard_sums:
-            return self.mode.step_if_finite(optimizer)
+            return self.updater.step_if_finite(optimizer)
         if self._nonfinite is not None:
             flag = self._nonfinite.to(torch.uint8)
             self._nonfinite.zero_()
@@ -305,7 +309,7 @@ class DataParallel(nn.Module):
             if flag.item():
                 self.skip_step()
                 return False
-        self.mode.step(optimizer)
+        self.updater.step(optimizer)
         return True
 
     @torch.no_grad()
@@ -327,7 +331,7 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for communication in flight and apply deferred updates (before evaluating or saving)."""
-        self.mode.finish()
+        self.updater.finish()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -335,20 +339,20 @@ class DataParallel(nn.Module):
             bucket.buffer.zero_()
 
     def state_dict(self) -> dict:
-        """This rank's communication state for a checkpoint: the sync mode's and the compressor's.
+        """This rank's communication state for a checkpoint: the updater's and the compressor's.
 
         Call between steps. In-flight collectives are waited for; nothing a later step computes
         changes (parameters and optimizer state are the caller's to save).
         """
         from paraloom.compress.state import state_dict_of
 
-        return {"mode": self.mode.state_dict(),
+        return {"updater": self.updater.state_dict(),
                 "compressor": state_dict_of(self.compressor) if self.compressor is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         from paraloom.compress.state import load_state_of
 
-        self.mode.load_state_dict(state["mode"])
+        self.updater.load_state_dict(state["updater"])
         if (state["compressor"] is None) != (self.compressor is None):
             raise ValueError("the checkpoint's compressor setting differs from this engine's")
         if self.compressor is not None:
@@ -357,7 +361,7 @@ class DataParallel(nn.Module):
     @property
     def replicas_identical(self) -> bool:
         """Whether parameters and optimizer state are equal on every rank between steps."""
-        return self.mode.replicas_identical
+        return self.updater.replicas_identical
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

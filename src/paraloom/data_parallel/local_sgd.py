@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from paraloom.data_parallel.modes import SyncMode
+from paraloom.data_parallel.synchronous import SyncUpdater
 
 
-class LocalSGDMode(SyncMode):
-    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+class LocalSGDUpdater(SyncUpdater):
+    guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
 
     def __init__(self, engine, *, local_steps: int, warmup: int) -> None:
         super().__init__(engine)

@@ -9,7 +9,7 @@ piece travel plainly in the first all-reduce, concatenated with the P matrices.
 
 The Q all-reduce depends on the summed P, so it is launched in `wait()`, on the waiting thread,
 never in a callback. Waits come in one order on every rank (the executor waits in launch order;
-the priority mode waits module by module), so the Q all-reduces are issued in one order too.
+the priority updater waits module by module), so the Q all-reduces are issued in one order too.
 Under the priority scheduler, whose issuing thread launches first rounds concurrently, the Q
 all-reduces go to a process group of their own so the two streams never interleave.
 """

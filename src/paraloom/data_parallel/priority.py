@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from paraloom.comm.priority import PlanTask, busy_seconds, plan_order
-from paraloom.data_parallel.modes import SyncMode
+from paraloom.data_parallel.synchronous import SyncUpdater
 
 PROFILED_STEP = 1  # step 0 warms up allocators and caches; step 1 is timed; step 2 onwards planned
 
 
-class PriorityMode(SyncMode):
-    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+class PriorityUpdater(SyncUpdater):
+    guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
 
     def __init__(self, engine, *, credit_bytes: int) -> None:
         super().__init__(engine)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.comm.algorithms import reduce_scatter
-from paraloom.data_parallel.modes import SyncMode
+from paraloom.data_parallel.synchronous import SyncUpdater
 from paraloom.errors import UserError
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the second names
@@ -23,8 +23,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class ShardedMode(SyncMode):
-    guards_on_sums = False  # see SyncMode: it does not update from this step's averaged gradients
+class ShardedUpdater(SyncUpdater):
+    guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
 
     def __init__(self, engine) -> None:
         super().__init__(engine)

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from paraloom.choices import CONSISTENCY
 from paraloom.errors import UserError
-
-CONSISTENCY_NAMES = ("bsp", "asp", "ssp")
 
 
 def staleness_bound(consistency: str, staleness: int) -> int | None:
     """Clocks a reader may run ahead of the slowest worker; None for no bound (ASP)."""
-    if consistency not in CONSISTENCY_NAMES:
+    if consistency not in CONSISTENCY:
         raise UserError(f"ps.consistency={consistency!r} is not known; choose one of: "
-                        f"{', '.join(CONSISTENCY_NAMES)}")
+                        f"{', '.join(CONSISTENCY)}")
     if staleness < 0:
         raise UserError(f"ps.staleness={staleness} must not be negative")
     return {"bsp": 0, "asp": None, "ssp": staleness}[consistency]

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
+from paraloom.compress import make_compressor
 from paraloom.errors import UserError
+from paraloom.rules import check_push_compressor
 
 SLOTS = 4  # int32 header slots (16 bytes) at the front of every message
 PUSH, PULL, DONE = 1, 2, 4  # request flags
 OK, REFUSED = 0, 1  # reply status
 REQUEST, REPLY = 21, 22  # c10d tags of a server's first slice; slice j's are these + 2 j
-PUSHABLE = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "dgc")  # fixed-size payloads
 
 
 def request_tag(slot: int) -> int:
@@ -62,7 +63,7 @@ class PushCodec:
     """How one shard's gradient travels in a push: fp32 as it is, or a compressor's payload.
 
     The payload's size and its decoding context depend only on the shard's size and the
-    compressor's settings (the compressors in PUSHABLE), so the server learns both from a
+    compressor's settings (choices.FIXED_SIZE_COMPRESSORS), so the server learns both from a
     template compression of zeros by its own instance and can post receives of the right size.
     """
 
@@ -73,12 +74,7 @@ class PushCodec:
             self.dtype, self.numel, self.ctx = torch.float32, n, None
             self.compressor = None
             return
-        if compressor not in PUSHABLE:
-            raise UserError(f"comm.compressor={compressor} cannot compress parameter-server pushes "
-                            f"(its payload size or decoding changes from step to step); "
-                            f"choose one of: {', '.join(PUSHABLE)}")
-        from paraloom.compress import make_compressor
-
+        check_push_compressor(compressor)
         options = dict(options or {})
         if compressor == "dgc" and options.get("warmup_steps", 0):
             raise UserError("dgc with a sparsity warm-up changes its payload size each step; "

@@ -4,7 +4,7 @@ Every rank builds the model from the same seed; server i keeps shard i of the fl
 parameters and runs the optimizer on it. Workers pull all shards, compute on their slice of the
 global batch, push all shards' gradients. Worker 0 logs metrics and writes the summary, with
 every server's counts (pushes applied, staleness histograms) and every worker's wait time.
-Pushes are compressed with comm.compressor (the fixed-size ones, message.PUSHABLE); a request
+Pushes are compressed with comm.compressor (the fixed-size ones, choices.FIXED_SIZE_COMPRESSORS); a request
 carries a token of the run id, and servers refuse a worker whose token differs.
 Not yet here: checkpoints (the data-parallel trainer has them).
 """
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from paraloom.comm.collectives import default_timeout
 from paraloom.config import Config
+from paraloom.config_faults import parse_faults
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.errors import UserError
 from paraloom.models import build_model
@@ -33,7 +34,7 @@ from paraloom.parameter_server.server import ParameterServer, serve
 from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.worker import PSClient
 from paraloom.topology import node_count
-from paraloom.train.faults import FaultInjector, parse_faults
+from paraloom.train.faults import FaultInjector
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress
 from paraloom.train.trainer import (

@@ -111,7 +111,7 @@ def measure_link(cluster=None, nproc: int = 2, dtype: str = "float32", algorithm
     own start-up cost. Each repeat starts at a barrier, and the ranks leave it apart; on two
     processes the median of a 16 KiB all-reduce at 1 Gbit/s came out 0.5 to 3.4 ms between sweeps
     (its fastest repeat 0.23 to 0.40 ms), and single fits of alpha from 0 to 1.5 ms."""
-    from paraloom.comm.bench import run_collectives
+    from paraloom.bench.collectives import run_collectives
 
     sustained = sustained_bytes(cluster)
     sizes = LINK_SIZES + [s for s in (2**26,) if sustained > LINK_SIZES[-1] // 4]

@@ -3,38 +3,59 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from paraloom.config import COMPRESSOR_NAMES
 from paraloom.errors import UserError
 from paraloom.perfmodel.network import LinkLike, allgather_time, allreduce_time
+from paraloom.rules import check_name
 
-# Options that change the payload's size, with each compressor's defaults (its constructor's).
-_SIZE_OPTIONS: dict[str, dict[str, Any]] = {
-    "none": {},
-    "fp16": {},
-    "bf16": {},
-    "qsgd": {"bits": 8, "block": 512},
-    "onebit": {"block": 512},
-    "efsign": {"block": 512},
-    "topk": {"density": 0.01},
-    "randomk": {"density": 0.1},
-    "dgc": {"density": 0.001},
-    "powersgd": {"rank": 2, "shapes": None},
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How the model prices one compressor's payload (paraloom/compress), one entry per compressor."""
+
+    size_options: dict[str, Any]  # options that change the payload's size, at the constructor's defaults
+    summable: bool  # the class's `summable`: payloads are all-reduced (True) or all-gathered (False)
+    nbytes: Callable[[int, dict[str, Any]], float]  # wire bytes for `count` fp32 elements
+
+
+def _blocks(count: int, block: int) -> int:
+    return max(1, -(-count // block))  # compress/base.py count_blocks: at least one block
+
+
+def _kept(count: int, density: float) -> int:
+    return 0 if count == 0 else min(count, max(1, math.ceil(density * count)))  # compress/topk.py count_kept
+
+
+def _signs(scales: int) -> Callable[[int, dict[str, Any]], float]:
+    return lambda n, o: 4.0 * scales * _blocks(n, o["block"]) + -(-n // 8)  # fp32 scales + sign bits
+
+
+# With n fp32 elements and b = ceil(n / block) blocks (see `compressed_bytes`).
+WIRE_FORMATS: dict[str, WireFormat] = {
+    "none": WireFormat({}, True, lambda n, o: 4.0 * n),
+    "fp16": WireFormat({}, True, lambda n, o: 2.0 * n),
+    "bf16": WireFormat({}, True, lambda n, o: 2.0 * n),
+    "qsgd": WireFormat({"bits": 8, "block": 512}, False,
+                       lambda n, o: 4.0 * _blocks(n, o["block"]) + -(-n * o["bits"] // 8)),
+    "onebit": WireFormat({"block": 512}, False, _signs(2)),
+    "efsign": WireFormat({"block": 512}, False, _signs(1)),
+    "topk": WireFormat({"density": 0.01}, False, lambda n, o: 8.0 * _kept(n, o["density"])),
+    "randomk": WireFormat({"density": 0.1}, True, lambda n, o: 4.0 * _kept(n, o["density"])),
+    "dgc": WireFormat({"density": 0.001}, False, lambda n, o: 8.0 * _kept(n, o["density"])),
+    "powersgd": WireFormat({"rank": 2, "shapes": None}, True,
+                           lambda n, o: 4.0 * sum(powersgd_rounds(n, o["rank"], o["shapes"]))),
 }
 # Constructor options that leave the size alone (accepted, so a compressor's options pass as they are).
 # dgc's warmup_steps: the model is the steady state, after the warm-up's denser payloads.
 _OTHER_OPTIONS = {"error_feedback", "seed", "momentum", "clip_norm", "sample_fraction", "warmup_steps",
                   "start_iter", "warm_start"}
-_SUMMABLE = {"none", "fp16", "bf16", "randomk", "powersgd"}  # each class's `summable` attribute
-assert set(_SIZE_OPTIONS) == {"none", *COMPRESSOR_NAMES}, "every config.COMPRESSOR_NAMES has a size rule"
 
 
 def _options(compressor: str, given: dict[str, Any]) -> dict[str, Any]:
-    if compressor not in _SIZE_OPTIONS:
-        raise UserError(f"compressor={compressor!r} is not known; choose one of: {', '.join(_SIZE_OPTIONS)}")
-    defaults = _SIZE_OPTIONS[compressor]
+    defaults = WIRE_FORMATS[check_name("compressor", compressor, WIRE_FORMATS)].size_options
     unknown = set(given) - set(defaults) - _OTHER_OPTIONS
     if unknown:
         raise UserError(f"compressor {compressor} takes no option {', '.join(sorted(unknown))}; "
@@ -49,14 +70,6 @@ def _options(compressor: str, given: dict[str, Any]) -> dict[str, Any]:
     if "rank" in out and out["rank"] < 1:
         raise UserError(f"powersgd rank={out['rank']!r} must be >= 1")
     return out
-
-
-def _blocks(count: int, block: int) -> int:
-    return max(1, -(-count // block))  # compress/base.py count_blocks: at least one block
-
-
-def _kept(count: int, density: float) -> int:
-    return 0 if count == 0 else min(count, max(1, math.ceil(density * count)))  # compress/topk.py count_kept
 
 
 def powersgd_rounds(count: int, rank: int = 2,
@@ -110,26 +123,14 @@ def compressed_bytes(nbytes_fp32: float, compressor: str | None, **options: Any)
     count = math.ceil(nbytes_fp32 / 4)
     if name == "none":
         return float(nbytes_fp32)
-    if name in ("fp16", "bf16"):
-        return 2.0 * count
-    if name == "qsgd":
-        return 4.0 * _blocks(count, opts["block"]) + -(-count * opts["bits"] // 8)
-    if name in ("onebit", "efsign"):
-        scales = 2 if name == "onebit" else 1
-        return 4.0 * scales * _blocks(count, opts["block"]) + -(-count // 8)
-    if name in ("topk", "dgc"):
-        return 8.0 * _kept(count, opts["density"])
-    if name == "randomk":
-        return 4.0 * _kept(count, opts["density"])
-    first, second = powersgd_rounds(count, opts["rank"], opts["shapes"])
-    return 4.0 * (first + second)
+    return WIRE_FORMATS[name].nbytes(count, opts)
 
 
 def summable(compressor: str | None) -> bool:
     """True when payloads are all-reduced (summed on the wire), False when they are all-gathered."""
     name = compressor or "none"
     _options(name, {})
-    return name in _SUMMABLE
+    return WIRE_FORMATS[name].summable
 
 
 def compressed_sync_time(nbytes_fp32: float, n: int, link: LinkLike, compressor: str | None,
@@ -149,6 +150,6 @@ def compressed_sync_time(nbytes_fp32: float, n: int, link: LinkLike, compressor:
         rounds = allreduce_time(4 * first, n, link, algorithm)
         return rounds + (allreduce_time(4 * second, n, link, algorithm) if second else 0.0)
     payload = compressed_bytes(nbytes_fp32, name, **options)
-    if name in _SUMMABLE:
+    if WIRE_FORMATS[name].summable:
         return allreduce_time(payload, n, link, algorithm)
     return allgather_time(n * payload, n, link)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
-from paraloom.config import ALL_REDUCE_NAMES
+from paraloom.choices import ALL_REDUCE_ALGORITHMS
 from paraloom.errors import UserError
 
 # The alpha-beta (Hockney) model: one message of S bytes over a link costs alpha + S / B, alpha the
@@ -76,9 +76,9 @@ def _binomial_broadcast(n: int, gloo: bool) -> tuple[int, int]:
 
 def allreduce_coefficients(n: int, algorithm: str = "ring") -> tuple[float, float]:
     """(c_lat, c_bw): the all-reduce of S bytes over n ranks takes c_lat * alpha + c_bw * S / B."""
-    if algorithm not in ALL_REDUCE_NAMES:
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
         raise UserError(f"all-reduce algorithm={algorithm!r} is not known; choose one of: "
-                        f"{', '.join(ALL_REDUCE_NAMES)}")
+                        f"{', '.join(ALL_REDUCE_ALGORITHMS)}")
     if n == 1:
         return 0.0, 0.0
     if algorithm in ("ring", "native"):

@@ -5,7 +5,7 @@ its backward seconds, its forward seconds and its gradient bytes. Backward runs 
 reverse; a layer's gradients are ready when its backward ends. What is returned is the time the
 step spends past its own compute because of communication.
 
-- fifo: nothing launches while backward runs (comm/schedule.py FifoScheduler), so every byte is
+- fifo: nothing launches while backward runs (comm/policies.py FifoScheduler), so every byte is
   exposed.
 - wait_free: gradients are packed into buckets in backward order (a small first bucket, then
   `bucket_bytes` each; data_parallel/bucket.py), and each bucket is sent when it is full and the

@@ -6,11 +6,11 @@ import functools
 import itertools
 from dataclasses import dataclass, replace
 
-from paraloom.config import ALL_REDUCE_NAMES, COMPRESSOR_NAMES
+from paraloom.choices import ALL_REDUCE_ALGORITHMS, COMPRESSORS, SCHEDULERS
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.profile import ModelProfile
-from paraloom.perfmodel.strategies import SCHEDULERS, Estimate, Options, Plan, estimate
+from paraloom.perfmodel.strategies import Estimate, Options, Plan, estimate
 
 EXACT_NOTE = "changes the math (convergence differs from synchronous SGD)"
 SERVERS = (1, 2, 4)  # parameter-server shard counts tried
@@ -67,12 +67,12 @@ def variants(base: Plan, *, exact_only: bool) -> list[Plan]:
     """The data-parallel choices on a grid: scheduler, algorithm, then compressors, sync and servers."""
     if base.dp == 1:
         return [base]
-    out = [replace(base, scheduler=s, algorithm=a) for s, a in itertools.product(SCHEDULERS, ALL_REDUCE_NAMES)
-           if a != "native"]
+    out = [replace(base, scheduler=s, algorithm=a)
+           for s, a in itertools.product(SCHEDULERS, ALL_REDUCE_ALGORITHMS) if a != "native"]
     if base.tp == 1 and base.pp == 1:
         out += [replace(base, servers=k, consistency="bsp") for k in SERVERS]
     if not exact_only:
-        out += [replace(base, compressor=c) for c in COMPRESSOR_NAMES]
+        out += [replace(base, compressor=c) for c in COMPRESSORS]
         out.append(replace(base, sync="one_step_delay"))
         if base.tp == 1 and base.pp == 1:
             out += [replace(base, servers=k, consistency=c) for k in SERVERS for c in ("asp", "ssp")]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from paraloom.choices import CONSISTENCY, PIPELINE_SCHEDULES, SCHEDULERS
+from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
 from paraloom.errors import UserError
 from paraloom.perfmodel import overlap
 from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time
@@ -27,11 +29,10 @@ from paraloom.perfmodel.memory import device_memory
 from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
+from paraloom.rules import check_name, check_parallel_layout
 
-SCHEDULERS = ("fifo", "wait_free", "priority")
-SYNCS = ("sync", "one_step_delay")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-CONSISTENCY = ("bsp", "asp", "ssp")
+_COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
+PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
 # Bytes an optimizer update reads and writes per parameter (fp32 state): plain SGD reads weight and
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
 # weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
@@ -59,13 +60,11 @@ class Plan:
         for key in ("dp", "tp", "pp", "microbatches"):
             if getattr(self, key) < 1:
                 raise UserError(f"plan {key}={getattr(self, key)} must be at least 1")
-        for key, choices in (("schedule", PIPELINE_SCHEDULES), ("scheduler", SCHEDULERS), ("sync", SYNCS),
-                             ("consistency", CONSISTENCY)):
-            if getattr(self, key) not in choices:
-                raise UserError(f"plan {key}={getattr(self, key)!r} is not known; choose one of "
-                                f"{', '.join(choices)}")
-        if self.servers and (self.tp > 1 or self.pp > 1):
-            raise UserError("the parameter server trains whole replicas; use tp=1 and pp=1 with servers")
+        for key, names in (("schedule", PIPELINE_SCHEDULES), ("scheduler", SCHEDULERS),
+                           ("sync", PRICED_SYNC_MODES), ("consistency", CONSISTENCY)):
+            check_name(f"plan {key}", getattr(self, key), names)
+        if self.servers:
+            check_parallel_layout(mode="ps", tp=self.tp, pp=self.pp, microbatches=self.microbatches)
 
     @property
     def devices(self) -> int:
@@ -104,17 +103,17 @@ class Estimate:
 
 @dataclass(frozen=True)
 class Options:
-    """What the step does besides the plan; defaults follow paraloom's config defaults."""
+    """What the step does besides the plan; defaults are paraloom's config defaults (one source)."""
 
-    optimizer: str = "adam"
-    bucket_mb: float = 25.0
-    first_bucket_mb: float = 1.0
-    partition_mb: float = 2.0
-    ps_partition_mb: float = 0.5  # a parameter server's shard travels as slices of at most this
-    credit_mb: float = 8.0  # priority scheduler: bytes in flight at most (comm.credit_mb)
-    shard_optimizer: bool = False
+    optimizer: str = _OPTIM.name
+    bucket_mb: float = _COMM.bucket_mb
+    first_bucket_mb: float = _COMM.first_bucket_mb
+    partition_mb: float = _COMM.partition_mb
+    ps_partition_mb: float = _PS.partition_mb  # a parameter server's shard travels as slices of at most this
+    credit_mb: float = _COMM.credit_mb  # priority scheduler: bytes in flight at most (comm.credit_mb)
+    shard_optimizer: bool = _COMM.shard_optimizer
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
-    guard: bool = True  # guard.nan: skip steps with NaN/Inf gradients (a flag all-reduce in some modes)
+    guard: bool = _GUARD.nan  # guard.nan: skip steps with NaN/Inf gradients (some updaters all-reduce a flag)
 
 
 def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[tuple[int, int]]:

@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.choices import PRUNING_SCOPES
 from paraloom.errors import UserError
 from paraloom.sparse.schedule import SparsitySchedule
-
-SCOPES = ("layer", "global")
 
 
 def default_targets(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -69,8 +68,8 @@ class MagnitudePruner:
     def __init__(self, model: nn.Module, schedule: SparsitySchedule, *, scope: str = "layer",
                  structured: bool = False, group: Any = None,
                  targets: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
-        if scope not in SCOPES:
-            raise UserError(f"pruning scope={scope!r} is unknown; choose one of {', '.join(SCOPES)}")
+        if scope not in PRUNING_SCOPES:
+            raise UserError(f"pruning scope={scope!r} is unknown; choose one of {', '.join(PRUNING_SCOPES)}")
         if structured and scope == "global":
             raise UserError("structured pruning ranks rows within each layer; use scope='layer'")
         self.targets: dict[str, torch.Tensor] = {}

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paraloom.choices import PRUNING_SCHEDULES
 from paraloom.errors import UserError
-
-SCHEDULE_KINDS = ("oneshot", "gradual")
 
 
 def cubic_sparsity(step: int, *, initial: float, final: float, start: int, end: int) -> float:
@@ -45,9 +44,9 @@ class SparsitySchedule:
     every: int = 1  # gradual: steps between prunes (Zhu & Gupta's dt)
 
     def __post_init__(self) -> None:
-        if self.kind not in SCHEDULE_KINDS:
+        if self.kind not in PRUNING_SCHEDULES:
             raise UserError(f"sparsity schedule kind={self.kind!r} is unknown; choose one of "
-                            f"{', '.join(SCHEDULE_KINDS)}")
+                            f"{', '.join(PRUNING_SCHEDULES)}")
         if not 0.0 <= self.initial <= self.final < 1.0:
             raise UserError(f"sparsity initial={self.initial!r}, final={self.final!r} must satisfy "
                             "0 <= initial <= final < 1 (final=1 would prune every weight)")

@@ -88,8 +88,8 @@ def partition(cfg: Config, pieces: list[nn.Module], pp: int, sample: torch.Tenso
     return [tuple(b) for b in bounds.tolist()]
 
 
-class Grid:
-    """The pieces of one rank's setup that the loop, evaluation and summary share."""
+class StagePlace:
+    """This rank's place in its pipeline: first or last stage, its neighbours' ranks, its groups."""
 
     def __init__(self, groups: RankGroups, world_group: dist.ProcessGroup) -> None:
         self.groups, self.world_group = groups, world_group
@@ -125,33 +125,33 @@ def _recv(src: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_pipeline(module: nn.Module, split: Split, grid: Grid, loss_fn) -> tuple[float, float]:
+def evaluate_pipeline(module: nn.Module, split: Split, place: StagePlace, loss_fn) -> tuple[float, float]:
     """(mean validation loss, accuracy per target) through the pipeline, forward only.
 
     Data-parallel replicas score disjoint slices; the first stage feeds, middle stages relay,
     the last stage scores (with tensor parallelism, the vocabulary-parallel logits are gathered
     for the argmax). The sums are all-reduced over every rank, counted once per replica.
     """
-    groups = grid.groups
+    groups = place.groups
     module.eval()
     x = split.x_test.tensor_split(groups.dp_world_size)[groups.dp_rank]
     y = split.y_test.tensor_split(groups.dp_world_size)[groups.dp_rank]
     dtype = next(module.parameters()).dtype
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, targets
     for xb, yb in zip(x.split(EVAL_BATCH), y.split(EVAL_BATCH), strict=True):
-        h = xb if grid.first else _recv(grid.prev, dtype)
+        h = xb if place.first else _recv(place.prev, dtype)
         out = module(h)
-        if not grid.last:
-            _send(out, grid.next)
+        if not place.last:
+            _send(out, place.next)
             continue
         n = yb.numel()
         sums[0] += float(loss_fn(out, yb)) * n
         logits = gather_from_region(out, groups.tp_group) if groups.tp_world_size > 1 else out
         sums[1] += int((logits.argmax(dim=-1) == yb).sum())
         sums[2] += n
-    if not grid.reports_loss():
+    if not place.reports_loss():
         sums.zero_()
-    dist.all_reduce(sums, group=grid.world_group)
+    dist.all_reduce(sums, group=place.world_group)
     module.train()
     return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
@@ -165,7 +165,7 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
     dp, tp, pp = cfg.grid(world)
     groups = Topology(dp=dp, tp=tp, pp=pp).init_groups()
     world_group = dist.new_group(list(range(world)), timeout=default_timeout())  # metrics, guard, eval sums
-    grid = Grid(groups, world_group)
+    place = StagePlace(groups, world_group)
     torch.manual_seed(cfg.run.seed)
     run_dir = shared_run_dir(run_dir)
 
@@ -201,7 +201,7 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
         engine.guard_nonfinite(group=dist.new_group(list(range(world)), timeout=default_timeout()))
     stats.take()
     optimizer = make_optimizer(cfg.optim, module.parameters(), cfg.comm)
-    stage = PipelineStage(engine, pp_group=groups.pp_group, loss_fn=loss_fn if grid.last else None,
+    stage = PipelineStage(engine, pp_group=groups.pp_group, loss_fn=loss_fn if place.last else None,
                           static_shapes=True)  # every step's micro-batches have the same shapes
     schedule = "layers" if cfg.parallel.mode == "layers" else cfg.parallel.schedule
     batches = ShardedBatches(len(split.y_train), cfg.data.batch_size, rank=groups.dp_rank, world=dp,
@@ -247,8 +247,8 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
                     break
                 began = time.perf_counter()
                 local_idx = local_idx.to(device)
-                inputs = split_microbatches(split.x_train[local_idx], m) if grid.first else None
-                targets = split_microbatches(split.y_train[local_idx], m) if grid.last else None
+                inputs = split_microbatches(split.x_train[local_idx], m) if place.first else None
+                targets = split_microbatches(split.y_train[local_idx], m) if place.last else None
                 loss, measured = stage.step(schedule, inputs, targets, n_microbatches=m,
                                             no_sync=engine.no_sync)
                 if not engine.step(optimizer):
@@ -260,7 +260,7 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
                 pipelined.append(measured.step_seconds)
                 peak_activation = max(peak_activation, measured.peak_activation_bytes)
                 if step % cfg.run.log_every == 0 or step == total_steps:
-                    loss_value = grid.replica_mean(float(loss) if loss is not None else 0.0)
+                    loss_value = place.replica_mean(float(loss) if loss is not None else 0.0)
                     if logger is not None:
                         logger.log({"step": step, "epoch": epoch, "loss": loss_value,
                                     "step_seconds": step_seconds[-1], "skipped_steps": skipped})
@@ -271,7 +271,7 @@ def train_model_parallel(cfg: Config, run_dir: Path | None, *, device: torch.dev
                                 samples_per_s=(samples - samples_at_start) / max(time.perf_counter()
                                                                                  - loop_start, 1e-9))
         train_seconds = time.perf_counter() - loop_start
-        val_loss, accuracy = evaluate_pipeline(module, split, grid, loss_fn)
+        val_loss, accuracy = evaluate_pipeline(module, split, place, loss_fn)
         if run_dir is not None and resumed != step:
             checkpoint()
     finally:

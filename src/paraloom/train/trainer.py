@@ -18,6 +18,7 @@ from torch import nn
 
 from paraloom.comm.collectives import CommStats
 from paraloom.config import CommConfig, Config, OptimConfig
+from paraloom.config_faults import parse_faults
 from paraloom.data import ShardedBatches, Split, load_dataset
 from paraloom.data_parallel import DataParallel, DataParallelNaive
 from paraloom.errors import UserError
@@ -25,7 +26,7 @@ from paraloom.models import build_model
 from paraloom.topology import RankGroups, Topology, node_count
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.checkpoint import agree_on_checkpoint, broadcast_text, load_checkpoint, save_checkpoint
-from paraloom.train.faults import FaultInjector, parse_faults
+from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.metrics import MetricsLogger, save_state, write_json
 from paraloom.train.progress import TrainProgress

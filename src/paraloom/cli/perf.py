@@ -1,4 +1,4 @@
-"""`paraloom plan` and `paraloom calibrate`: the performance model's commands (registered in cli.py)."""
+"""`paraloom plan` and `paraloom calibrate`: the performance model's commands."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from paraloom.cli.options import cluster_from_options
 from paraloom.errors import UserError
 
 
@@ -74,12 +75,10 @@ def calibrate(
     else:
         if threads < 1 or devices_per_node < 1:
             raise UserError("--threads and --devices-per-node must be at least 1")
-        from paraloom.cli import _cluster_from_options
-
         sizes = _group_sizes(group_sizes)
         if sizes and cluster is None and emulate is None:
             raise UserError("--group-sizes measures emulated clusters: give --emulate NODESxRATE too")
-        with _cluster_from_options(cluster, emulate) as nodes, contextlib.ExitStack() as stack:
+        with cluster_from_options(cluster, emulate) as nodes, contextlib.ExitStack() as stack:
             groups = [stack.enter_context(_emulated_like(nodes, n)) for n in sizes if n != nodes.nodes]
             hw, _ = cal.calibrate(cluster=nodes, devices_per_node=devices_per_node, threads=threads,
                                   group_clusters=groups,
@@ -106,8 +105,6 @@ def _group_sizes(text: str | None) -> list[int]:
 
 def _emulated_like(cluster, nodes: int):
     """A new emulated cluster of `nodes` nodes at `cluster`'s link rate."""
-    from paraloom.cluster import ClusterSpec, EmulatedCluster, list_clusters
+    from paraloom.cluster import ClusterSpec, EmulatedCluster, free_name
 
-    existing = list_clusters()
-    name = next(f"cal{i}" for i in range(1000) if f"cal{i}" not in existing)
-    return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=cluster.spec.rate_bits, name=name))
+    return EmulatedCluster(ClusterSpec(nodes=nodes, rate_bits=cluster.spec.rate_bits, name=free_name("cal")))

@@ -1,13 +1,8 @@
-"""Communication scheduling: the engine submits CommTasks; a pure policy says which to launch when.
+"""Executors of a scheduling policy: hold a step's CommTasks, launch what the policy says, wait.
 
-Policies are pure functions of plain data, tested with lists:
-- `fifo`: nothing while backward runs; at the end, everything in key order (no overlap).
-- `wait_free`: launch each task the moment it and every lower key are ready (wait-free
-  back-propagation): communication overlaps the rest of backward, in one fixed order.
-- `priority` (comm/priority.py): launch in a planned order that puts what the next forward
-  needs first.
-A policy sees the ready keys and how many tasks it has launched this step, and returns the keys
-to launch now; the launch order is the one order every rank issues collectives in (DESIGN.md §3).
+`Executor` launches from the calling thread; `CreditExecutor` keeps at most a credit of bytes
+in flight (priority scheduling); `CommThread` is the one background thread that issues the
+hand-written algorithms' messages in the policy's order (DESIGN.md §3).
 """
 
 from __future__ import annotations
@@ -16,58 +11,9 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from paraloom.errors import UserError
-
-
-class Handle(Protocol):
-    def wait(self) -> Any: ...
-
-
-@dataclass(order=True)
-class CommTask:
-    key: int  # launch order on every rank: 0, 1, 2, ...
-    nbytes: int = field(compare=False)
-    priority: int = field(compare=False, default=0)
-    launch: Callable[[], Handle] = field(compare=False, default=None, repr=False)
-
-
-class FifoScheduler:
-    """Synchronize after backward, in back-propagation order, with no overlap."""
-
-    name = "fifo"
-
-    @staticmethod
-    def next_batch(ready: list[int], launched: int, flushing: bool) -> list[int]:
-        return sorted(ready) if flushing else []
-
-
-class WaitFreeScheduler:
-    """Launch every task as soon as it is ready and all tasks before it have been launched."""
-
-    name = "wait_free"
-
-    @staticmethod
-    def next_batch(ready: list[int], launched: int, flushing: bool) -> list[int]:
-        waiting, out, next_key = set(ready), [], launched
-        while next_key in waiting:
-            out.append(next_key)
-            next_key += 1
-        return out
-
-
-SCHEDULER_NAMES = ("wait_free", "fifo", "priority")
-
-
-def make_scheduler(name: str):
-    from paraloom.comm.priority import PriorityScheduler
-
-    schedulers = {"fifo": FifoScheduler, "wait_free": WaitFreeScheduler, "priority": PriorityScheduler}
-    if name not in schedulers:
-        raise UserError(f"comm.scheduler={name!r} is not known; choose one of: {', '.join(schedulers)}")
-    return schedulers[name]()
+from paraloom.comm.policies import CommTask, Handle
 
 
 class Executor:

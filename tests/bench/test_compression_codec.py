@@ -1,9 +1,9 @@
-"""compress.bench: every variant's encode+decode timing runs, and DGC's momentum follows the optimizer."""
+"""bench.compression: every variant's encode+decode timing runs, and DGC's momentum follows the optimizer."""
 
 import pytest
 import torch
 
-from paraloom.compress.bench import VARIANTS, bench_optimizer, codec_seconds, dgc_momentum, engine_variant
+from paraloom.bench.compression import VARIANTS, bench_optimizer, codec_seconds, dgc_momentum, engine_variant
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,8 +1,8 @@
-"""comm.bench on loopback: every row carries its wall and CPU seconds, for the dtype asked for."""
+"""bench.collectives on loopback: every row carries its wall and CPU seconds, for the dtype asked for."""
 
 import pytest
 
-from paraloom.comm.bench import run_collectives
+from paraloom.bench.collectives import run_collectives
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

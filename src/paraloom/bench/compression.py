@@ -1,30 +1,14 @@
-"""Time-to-accuracy benchmark of gradient compressors against torch DDP, in one process group.
-
-Every variant trains the same model (same seed, same initial weights) on the same digits shards
-in the same order, with Adam or momentum SGD, for `epochs` epochs; variants take turns in one process group.
-Per epoch, the training steps alone are timed (barrier before, `finish()` after, the slowest
-rank's time kept); test accuracy is evaluated after every epoch, outside the timed span.
-Time to accuracy (TTA) is the training time summed up to the end of the first epoch whose test
-accuracy reaches `target` (None if none does). Wire bytes per step are the payload bytes this
-rank hands to collectives: paraloom's `engine.stats.bytes` over the steps; for torch DDP, 4 bytes
-per parameter (fp32 all-reduce) or 2 (the fp16 hook), which is the same quantity. Encode+decode
-time per step is measured after training, apart from it: one compress of every bucket-sized
-piece of a real gradient plus the decodes a step does (one for an all-reduced payload, one per
-rank for an all-gathered one), median of a few repeats, slowest rank.
-"""
+"""Time to accuracy of every gradient compressor against torch DDP, variants taking turns in one group."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-COMPRESSORS = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc", "powersgd")
+from paraloom.choices import COMPRESSORS
+
 VARIANTS = ("ddp", "ddp_fp16", "wait_free", *COMPRESSORS, "powersgd_4", "topk_0.001", "dgc_0.001")
 # name -> (compressor, options); DGC's momentum is set by `dgc_momentum` (it depends on the optimizer)
 ENGINE_VARIANTS: dict[str, tuple[str | None, dict[str, Any]]] = {
@@ -81,7 +65,7 @@ def _max(value: float) -> float:
 
 def codec_seconds(variant: str, pieces: list, world: int, matrices: list | None = None,
                   optimizer: str = "adam") -> float:
-    """Encode+decode seconds of one step's worth of pieces (see the module docstring); PowerSGD's
+    """Encode+decode seconds of one step's worth of pieces (see `measure`); PowerSGD's
     are its products and orthogonalizations on `matrices` (the gradients it compresses)."""
     import torch
 
@@ -124,7 +108,22 @@ def codec_seconds(variant: str, pieces: list, world: int, matrices: list | None 
     return statistics.median(times)
 
 
-def measure(options: dict[str, Any]) -> None:
+def measure(options: dict[str, Any], save) -> dict[str, Any]:
+    """One rank's part: train every variant in turn and time it; `save` keeps each variant's figures.
+
+    Every variant trains the same model (same seed, same initial weights) on the same digits shards
+    in the same order, with Adam or momentum SGD, for `epochs` epochs; variants take turns in one
+    process group.
+    Per epoch, the training steps alone are timed (barrier before, `finish()` after, the slowest
+    rank's time kept); test accuracy is evaluated after every epoch, outside the timed span.
+    Time to accuracy (TTA) is the training time summed up to the end of the first epoch whose test
+    accuracy reaches `target` (None if none does). Wire bytes per step are the payload bytes this
+    rank hands to collectives: paraloom's `engine.stats.bytes` over the steps; for torch DDP, 4 bytes
+    per parameter (fp32 all-reduce) or 2 (the fp16 hook), which is the same quantity. Encode+decode
+    time per step is measured after training, apart from it: one compress of every bucket-sized
+    piece of a real gradient plus the decodes a step does (one for an all-reduced payload, one per
+    rank for an all-gathered one), median of a few repeats, slowest rank.
+    """
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
@@ -135,8 +134,6 @@ def measure(options: dict[str, Any]) -> None:
     from paraloom.topology import Topology
     from paraloom.train.trainer import batch_loss, evaluate
 
-    if options.get("interface"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", options["interface"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -179,6 +176,8 @@ def measure(options: dict[str, Any]) -> None:
     matrices = [p.grad.clone() for p in bare.parameters() if p.dim() >= 2]
 
     results: dict[str, Any] = {}
+    out = {"world_size": world, "params": n_params, "compute_s": compute_s, "allreduce_s": allreduce_s,
+           "variants": results}
     for variant in options["variants"]:
         torch.manual_seed(0)
         model = _model(hidden, depth)
@@ -244,11 +243,9 @@ def measure(options: dict[str, Any]) -> None:
                             "tta_epochs": None if tta_steps is None else tta_steps / per_epoch,
                             "codec_s_per_step": codec_s}
         del engine, model, optimizer
-        if rank == 0:  # after every variant: a run that fails later keeps what it measured
-            Path(options["results_path"]).write_text(json.dumps(
-                {"world_size": world, "params": n_params, "compute_s": compute_s,
-                 "allreduce_s": allreduce_s, "variants": results}))
+        save(out)  # after every variant: a run that fails later keeps what it measured
     dist.destroy_process_group()
+    return out
 
 
 def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, batch: int = 128,
@@ -256,44 +253,20 @@ def run(*, cluster=None, nproc: int = 4, hidden: int = 1024, depth: int = 3, bat
         evals_per_epoch: int = 1, target: float = 0.93, bucket_mb: float = 25.0,
         variants: tuple[str, ...] = VARIANTS) -> dict[str, Any]:
     """Launch `measure` on `cluster` (one worker per node) or on `nproc` loopback workers."""
-    import tempfile
-
-    from paraloom.cluster.launch import BENCH_RESTARTS, torchrun_on_cluster
-    from paraloom.launch import elastic_run
+    from paraloom.bench.harness import PartialResults, launch
 
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
-    with tempfile.TemporaryDirectory(prefix="paraloom-cmpbench-") as tmp:
-        options = {"hidden": hidden, "depth": depth, "batch": batch, "epochs": epochs, "lr": lr,
-                   "optimizer": optimizer, "cosine": cosine, "evals_per_epoch": evals_per_epoch,
-                   "target": target, "bucket_mb": bucket_mb, "variants": list(variants),
-                   "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo"}
-        results = Path(options["results_path"])
-        try:
-            if cluster is not None:
-                torchrun_on_cluster(cluster, ["paraloom.compress.bench", "--options", json.dumps(options)],
-                                    log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
-            else:
-                elastic_run(measure, (options,), nproc=nproc)
-        except Exception as error:  # keep the variants measured before the failure
-            if not results.exists():
-                raise
-            out = {**json.loads(results.read_text()), "error": f"{type(error).__name__}: {error}"}
-        else:
-            out = json.loads(results.read_text())
-    out["recipe"] = {k: v for k, v in options.items() if k not in ("results_path", "interface")}
+    options = {"hidden": hidden, "depth": depth, "batch": batch, "epochs": epochs, "lr": lr,
+               "optimizer": optimizer, "cosine": cosine, "evals_per_epoch": evals_per_epoch,
+               "target": target, "bucket_mb": bucket_mb, "variants": list(variants)}
+    try:
+        out = launch(f"{__name__}:measure", options, cluster=cluster, nproc=nproc,
+                     prefix="paraloom-cmpbench-", keep_partial=True)[0]
+    except PartialResults as failure:  # keep the variants measured before the failure
+        if 0 not in failure.results:
+            raise failure.error from None
+        out = {**failure.results[0], "error": str(failure)}
+    out["recipe"] = dict(options)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paraloom.compress.bench")
-    parser.add_argument("--options", required=True)
-    measure(json.loads(parser.parse_args(argv).options))
-    return 0
-
-
-if __name__ == "__main__":
-    from paraloom.worker import exit_process
-
-    exit_process(main())  # see exit_process: a finished worker must not abort in teardown

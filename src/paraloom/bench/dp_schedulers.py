@@ -1,19 +1,7 @@
-"""Step-time benchmark of data-parallel engines against torch DDP, in one process group.
-
-Every variant trains the same model from the same seed on the same digits shards. Per variant
-and round, `warmup` steps run untimed, then `steps` steps run back to back (no barrier between
-them: one-step-delay SGD and the priority scheduler overlap a step's communication with the
-next step's computation) and end with `finish()`; the slowest rank's mean step time of the round
-is kept, and the median over rounds reported. Alongside: the compute time of a step (no
-communication) and the time of one native all-reduce of all gradients, whose maximum is the
-physical bound of a step that synchronizes every step.
-"""
+"""Step time of paraloom's data-parallel schedulers and sync modes against torch DDP, in one group."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
 from datetime import timedelta
@@ -34,7 +22,17 @@ def _model(hidden: int, depth: int):
     return MLP((1, 8, 8), 10, hidden=hidden, depth=depth)
 
 
-def measure(options: dict[str, Any]) -> None:
+def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
+    """One rank's part: every variant, round after round; returns the median step times.
+
+    Every variant trains the same model from the same seed on the same digits shards. Per variant
+    and round, `warmup` steps run untimed, then `steps` steps run back to back (no barrier between
+    them: one-step-delay SGD and the priority scheduler overlap a step's communication with the
+    next step's computation) and end with `finish()`; the slowest rank's mean step time of the round
+    is kept, and the median over rounds reported. Alongside: the compute time of a step (no
+    communication) and the time of one native all-reduce of all gradients, whose maximum is the
+    physical bound of a step that synchronizes every step.
+    """
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -43,8 +41,6 @@ def measure(options: dict[str, Any]) -> None:
     from paraloom.data import ShardedBatches, load_dataset
     from paraloom.data_parallel import DataParallel
 
-    if options.get("interface"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", options["interface"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -122,48 +118,25 @@ def measure(options: dict[str, Any]) -> None:
             if not variant.startswith("ddp"):
                 engine.close()
     results = {name: statistics.median(times) for name, times in samples.items()}
-    if rank == 0:
-        Path(options["results_path"]).write_text(json.dumps(
-            {"world_size": world, "params": n_params, "seconds": results}))
     dist.destroy_process_group()
+    return {"world_size": world, "params": n_params, "seconds": results}
 
 
 def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, batch: int = 64,
         steps: int = 10, warmup: int = 3, rounds: int = 2, bucket_mb: float = 25.0,
         variants: tuple[str, ...] = VARIANTS, trace_dir: str | None = None,
         engine_options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    import tempfile
+    """Launch `measure` on `cluster` (one worker per node) or on `nproc` loopback workers; adds the
+    bound (max of compute and all-reduce) and every variant's ratio to DDP and to wait_free."""
+    from paraloom.bench.harness import launch
 
-    from paraloom.cluster.launch import BENCH_RESTARTS, torchrun_on_cluster
-    from paraloom.launch import elastic_run
-
-    with tempfile.TemporaryDirectory(prefix="paraloom-dpbench-") as tmp:
-        options = {"hidden": hidden, "depth": depth, "batch": batch, "steps": steps, "warmup": warmup,
-                   "rounds": rounds, "bucket_mb": bucket_mb, "variants": list(variants),
-                   "results_path": str(Path(tmp) / "r.json"), "interface": None if cluster else "lo",
-                   "trace_dir": trace_dir, "engine_options": engine_options or {}}
-        if cluster is not None:
-            torchrun_on_cluster(cluster, ["paraloom.data_parallel.bench", "--options", json.dumps(options)],
-                                log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
-        else:
-            elastic_run(measure, (options,), nproc=nproc)
-        out = json.loads(Path(options["results_path"]).read_text())
+    options = {"hidden": hidden, "depth": depth, "batch": batch, "steps": steps, "warmup": warmup,
+               "rounds": rounds, "bucket_mb": bucket_mb, "variants": list(variants),
+               "trace_dir": trace_dir, "engine_options": engine_options or {}}
+    out = launch(f"{__name__}:measure", options, cluster=cluster, nproc=nproc, prefix="paraloom-dpbench-")[0]
     seconds = out["seconds"]
     out["bound"] = max(seconds["compute"], seconds["allreduce"])
     out["ratio_vs_ddp"] = {v: seconds[v] / seconds["ddp"] for v in variants if "ddp" in seconds}
     out["ratio_vs_wait_free"] = {v: seconds[v] / seconds["wait_free"] for v in variants
                                  if "wait_free" in seconds}
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paraloom.data_parallel.bench")
-    parser.add_argument("--options", required=True)
-    measure(json.loads(parser.parse_args(argv).options))
-    return 0
-
-
-if __name__ == "__main__":
-    from paraloom.worker import exit_process
-
-    exit_process(main())  # see exit_process: a finished worker must not abort in teardown

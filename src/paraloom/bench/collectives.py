@@ -1,23 +1,13 @@
-"""Collective benchmark in the manner of nccl-tests: time, algbw = S/t, busbw = algbw * 2(n-1)/n.
-
-The driver measures one TCP stream's throughput over the link first, then starts the workers
-(local elastic agent on loopback, or one torchrun per node of an emulated cluster); each
-(algorithm, size) is warmed up, then timed `repeats` times between barriers, and the slowest
-rank's time of each repeat counts; the median is reported.
-"""
+"""All-reduce algorithms timed in the manner of nccl-tests: time, algbw = S/t, busbw = algbw * 2(n-1)/n."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from paraloom.errors import UserError
@@ -57,15 +47,17 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def measure(options: dict[str, Any]) -> None:
-    """One rank's part: join the group, time every (algorithm, size); rank 0 writes the results."""
+def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
+    """One rank's part: join the group, time every (algorithm, size); returns the rows.
+
+    Each (algorithm, size) is warmed up, then timed `repeats` times between barriers, and the
+    slowest rank's time of each repeat counts; the median is reported.
+    """
     import torch
     import torch.distributed as dist
 
     from paraloom.comm.algorithms import all_reduce
 
-    if options.get("interface"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", options["interface"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=options["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -105,10 +97,9 @@ def measure(options: dict[str, Any]) -> None:
                 if rank == 0 and options.get("progress"):
                     print(f"  {format_size(size):>6} {algorithm:<17} {seconds * 1e3:9.2f} ms "
                           f"busbw {rows[-1]['busbw_MBps']:8.1f} MB/s", file=sys.stderr, flush=True)
-        if rank == 0:
-            Path(options["results_path"]).write_text(json.dumps({"world_size": world, "rows": rows}))
     finally:
         dist.destroy_process_group()
+    return {"world_size": world, "rows": rows}
 
 
 def summarize(rows: list[dict[str, Any]], link_mbps: float) -> dict[str, Any]:
@@ -123,25 +114,19 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
                     warmup: int = 1, min_repeats: int = 5, max_repeats: int = 20,
                     budget_s: float = 3.0, timeout_s: float = 600.0,
                     progress: bool = True, dtype: str = "float32") -> dict[str, Any]:
-    """Measure the link, then every algorithm at every size; returns the JSON-ready report."""
-    from paraloom.cluster.launch import BENCH_RESTARTS, link_throughput, torchrun_on_cluster
-    from paraloom.launch import elastic_run
+    """Measure one TCP stream over the link, then every algorithm at every size on the workers
+    (local ones on loopback, or one per node of an emulated cluster); returns the JSON-ready report."""
+    from paraloom.bench.harness import launch
+    from paraloom.cluster.launch import link_throughput
 
     largest = max(sizes)
     link_bytes = max(16 << 20, min(256 << 20, 2 * largest)) if cluster else 256 << 20
     link_samples = link_throughput(cluster, link_bytes)
     link_mbps = max(link_samples)  # the link's capacity: a slower sample only saw a busy machine
-    with tempfile.TemporaryDirectory(prefix="paraloom-bench-") as tmp:
-        options = {"sizes": sizes, "algorithms": algorithms, "warmup": warmup,
-                   "min_repeats": min_repeats, "max_repeats": max_repeats, "budget_s": budget_s,
-                   "timeout_s": timeout_s, "results_path": str(Path(tmp) / "results.json"),
-                   "progress": progress, "interface": None if cluster else "lo", "dtype": dtype}
-        if cluster is not None:
-            torchrun_on_cluster(cluster, ["paraloom.comm.bench", "--options", json.dumps(options)],
-                                log_dir=Path(tmp), max_restarts=BENCH_RESTARTS)
-        else:
-            elastic_run(measure, (options,), nproc=nproc)
-        measured = json.loads(Path(options["results_path"]).read_text())
+    options = {"sizes": sizes, "algorithms": algorithms, "warmup": warmup,
+               "min_repeats": min_repeats, "max_repeats": max_repeats, "budget_s": budget_s,
+               "timeout_s": timeout_s, "progress": progress, "dtype": dtype}
+    measured = launch(f"{__name__}:measure", options, cluster=cluster, nproc=nproc)[0]
     where = (f"emulated cluster, {cluster.nodes} nodes x {cluster.spec.rate} links" if cluster
              else f"loopback, {nproc} local workers")
     return {
@@ -153,20 +138,6 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
         "results": measured["rows"],
         "summary": summarize(measured["rows"], link_mbps),
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Worker entry under torchrun: `python -m paraloom.comm.bench --options JSON`."""
-    parser = argparse.ArgumentParser(prog="python -m paraloom.comm.bench")
-    parser.add_argument("--options", required=True)
-    measure(json.loads(parser.parse_args(argv).options))
-    return 0
-
-
-if __name__ == "__main__":
-    from paraloom.worker import exit_process
-
-    exit_process(main())  # see exit_process: a finished worker must not abort in teardown
 
 
 def report_table(report: dict[str, Any]):

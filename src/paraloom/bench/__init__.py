@@ -1,0 +1,1 @@
+"""Benchmark workers launched under the elastic agent (torchrun), and the one harness that runs them."""

@@ -1,0 +1,50 @@
+"""Every plug-in name paraloom knows, once; torch-free, the bottom of the package.
+
+Config, the engine, the parameter server, the planner and the CLI read their choices from here;
+each registry (compressors, schedulers, sync modes, all-reduce algorithms) is checked against
+its list by a test, so a name cannot be offered that nothing implements, nor the reverse.
+"""
+
+from __future__ import annotations
+
+# ---- what is trained
+MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "vgg16")  # paraloom.models
+DATASETS = ("digits", "synthetic", "text")  # paraloom.data; text: the stdlib's source bytes
+OPTIMIZERS = ("adam", "sgd")
+DEVICES = ("auto", "cpu", "cuda")  # auto: cuda if available
+
+# ---- how the work is split: parallel.mode (the training strategy's family)
+PARALLEL_MODES = ("dp", "ps", "layers")  # data parallel (+ tp/pp hybrids), parameter server, layers
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_BALANCE = ("params", "time")  # what pipeline stages are balanced by
+
+# ---- data-parallel communication: comm.*
+BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl on cuda, else gloo
+ENGINES = ("bucketed", "naive")  # naive: one blocking all-reduce per tensor (the reference)
+ALL_REDUCE_ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "one_to_all")
+SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an all-gather
+SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order
+SYNC_MODES = ("sync", "one_step_delay", "local_sgd")  # what engine.step does after backward
+
+# compressor name -> the module of paraloom.compress that implements it (imported on first use)
+COMPRESSOR_MODULES = {
+    "fp16": "fp16", "bf16": "fp16", "qsgd": "qsgd", "onebit": "sign", "efsign": "sign",
+    "topk": "topk", "randomk": "topk", "dgc": "dgc", "powersgd": "powersgd",
+}
+COMPRESSORS = tuple(COMPRESSOR_MODULES)
+DENSITY_COMPRESSORS = ("topk", "randomk", "dgc")  # those that take comm.density
+# payloads whose size and decoding never change from step to step: a parameter server's push
+FIXED_SIZE_COMPRESSORS = ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "dgc")
+MULTI_ROUND_COMPRESSORS = ("powersgd",)  # reducers of their own, not compress/decompress pairs
+
+# ---- parameter server: ps.*
+CONSISTENCY = ("bsp", "asp", "ssp")
+
+# ---- sparse training: sparse.*
+PRUNING_SCHEDULES = ("gradual", "oneshot")
+PRUNING_SCOPES = ("layer", "global")
+
+# ---- faults: run.inject kinds and the keys each takes
+FAULT_KINDS = {"kill": ("rank", "step"), "hang": ("rank", "step"), "nan": ("rank", "step"),
+               "slow": ("rank", "factor")}
+

@@ -1,0 +1,150 @@
+"""`paraloom train`: check the config and the cluster options, launch the workers, print the summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from paraloom.cli.options import cluster_from_options
+from paraloom.config import load_config
+from paraloom.config_help import section_keys
+from paraloom.errors import UserError
+
+
+def keys_epilog() -> str:
+    """`paraloom train --help`'s epilog: every config key with its type, default and meaning."""
+    lines = ["Config sections and keys (default), set with --set section.key=value:"]
+    for section, rows in section_keys().items():
+        lines.append(f"  {section}:")
+        lines += [f"    {key} [{kind}] = {default!r}  {text}" for key, kind, default, text in rows]
+    return "\n\n".join(["\b\n" + "\n".join(lines)])
+
+
+def train(
+    config: Annotated[Path | None, typer.Argument(help="YAML config file (optional)")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")] = None,
+    nproc: Annotated[int | None, typer.Option(
+        help="worker processes (parallel.nproc); per node on a cluster, where it defaults to 1")] = None,
+    cluster: Annotated[str | None, typer.Option(
+        help="run on the emulated cluster NAME (`paraloom cluster up`), one worker per node")] = None,
+    emulate: Annotated[str | None, typer.Option(
+        metavar="NODESxRATE", help="bring up an emulated cluster for this run, e.g. 4x1gbit")] = None,
+    trace: Annotated[bool, typer.Option(
+        "--trace", help="write a Chrome trace per rank (run.trace=true); see `paraloom report`")] = False,
+    resume: Annotated[Path | None, typer.Option(
+        metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest whole checkpoint")] = None,
+    inject: Annotated[list[str] | None, typer.Option(
+        metavar="FAULT", help="inject a fault (repeatable): kill:rank=1,step=30, hang:rank=2,"
+                              "step=10, nan:rank=0,step=5, slow:rank=1,factor=2.0, "
+                              "slow:rank=random,factor=2.0")] = None,
+) -> None:
+    """Train a model with local worker processes; writes runs/<name>/."""
+    started_at = time.time()
+    if resume is not None:
+        if config is not None:
+            raise UserError("give a config file or --resume RUN_DIR, not both: "
+                            "a resumed run keeps its config")
+        config = _resumable(resume) / "config.yaml"
+    overrides = list(set_ or [])
+    if nproc is not None:
+        if nproc < 1:
+            raise UserError(f"--nproc {nproc} must be at least 1")
+        overrides.append(f"parallel.nproc={nproc}")
+    elif cluster or emulate:
+        overrides.append("parallel.nproc=1")
+    if trace:
+        overrides.append("run.trace=true")
+    cfg = load_config(config, overrides)
+    if inject:
+        import dataclasses
+
+        joined = "; ".join(part for part in [cfg.run.inject, *inject] if part)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, inject=joined))
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
+    with cluster_from_options(cluster, emulate) as nodes:
+        world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
+        if nodes and cfg.parallel.mode == "ps":  # on a cluster the servers take processes of their own
+            world -= cfg.ps.servers
+            if world < 1:
+                raise UserError(f"ps.servers={cfg.ps.servers} leaves no worker on {nodes.describe()}; "
+                                "give the cluster more nodes than servers")
+        cfg.validate_world(world)
+        _check_fault_steps(cfg, world)
+        summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
+    print_summary(summary, run_dir)
+
+
+def _resumable(run_dir: Path) -> Path:
+    if not (run_dir / "config.yaml").is_file():
+        what = "does not exist" if not run_dir.exists() else "is not a run directory (no config.yaml)"
+        raise UserError(f"--resume {str(run_dir)!r} {what}; give runs/<name> of an earlier `paraloom train`")
+    return run_dir
+
+
+def _check_fault_steps(cfg, world: int) -> None:
+    """Injected faults must name a step the run reaches (the data set's size decides how many)."""
+    if cfg.run.inject is None:
+        return
+    import dataclasses
+
+    from paraloom.config_faults import check_faults, parse_faults
+    from paraloom.data import load_dataset
+    from paraloom.train.trainer import planned_steps
+
+    data = dataclasses.asdict(cfg.data)
+    size = len(load_dataset(data.pop("name"), **data).y_train)
+    check_faults(parse_faults(cfg.run.inject), world, planned_steps(cfg, size))
+
+
+def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None):
+    from paraloom.rundir import new_run_dir
+
+    run_dir = resume if resume is not None else new_run_dir(cfg, world=world)
+    where = f"on {nodes.describe()}" if nodes else "on this machine"
+    Console(stderr=True).print(f"paraloom: {world} workers {where}, {cfg.model.name} on {cfg.data.name}, "
+                               f"run directory {run_dir}", highlight=False, soft_wrap=True)
+    if nodes is None:
+        from paraloom.launch import launch_local
+
+        return launch_local(cfg, run_dir, started_at=started_at), run_dir
+    from paraloom.cluster.launch import torchrun_on_cluster
+
+    torchrun_on_cluster(nodes, ["paraloom.worker", str(run_dir / "config.yaml"), "--run-dir",
+                                str(run_dir), "--started-at", repr(started_at)],
+                        log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc,
+                        max_restarts=cfg.run.max_restarts)
+    return json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    table = Table(title=f"run {run_dir.name}", show_header=False)
+    table.add_row("test accuracy", f"{summary['test_accuracy']:.4f}")
+    table.add_row("wall time", f"{summary['wall_seconds']:.1f} s "
+                               f"(training {summary['train_seconds']:.1f} s)")
+    table.add_row("throughput", f"{summary['samples_per_second']:,.0f} samples/s")
+    if "val_loss" in summary:
+        bar = f" (unigram baseline {summary['unigram_loss']:.3f})" if "unigram_loss" in summary else ""
+        table.add_row("validation loss", f"{summary['val_loss']:.3f}{bar}")
+    if "grid" in summary:
+        g = summary["grid"]
+        table.add_row("grid", f"dp {g['dp']} x tp {g['tp']} x pp {g['pp']}, {summary['schedule']}, "
+                              f"{summary['microbatches']} micro-batches")
+        table.add_row("step time", f"{summary['step_seconds'] * 1e3:.1f} ms; bubble per rank "
+                                   + " ".join(f"{b:.2f}" for b in summary["bubble_per_rank"]))
+        table.add_row("parameters", "MB per rank " + " ".join(
+            f"{b / 2**20:.2f}" for b in summary["param_bytes_per_rank"]))
+    else:
+        table.add_row("communicated", f"{summary['comm_bytes_per_step'] / 1e3:,.1f} kB/step per rank "
+                                      f"({summary['comm_seconds_per_step'] * 1e3:.2f} ms/step)")
+    table.add_row("run directory", str(run_dir))
+    Console().print(table)
+

@@ -1,0 +1,157 @@
+"""Which options combine: pure, torch-free checks, each rule written once; a broken rule is a UserError.
+
+Config validates through these, and so do the layers that take the same options directly
+(`DataParallel`'s keywords, the planner's `Plan`, the parameter server's push codec), so a
+combination is refused with the same words wherever it is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from paraloom.choices import (
+    ALL_REDUCE_ALGORITHMS,
+    COMPRESSORS,
+    DENSITY_COMPRESSORS,
+    FIXED_SIZE_COMPRESSORS,
+    PARALLEL_MODES,
+    SCHEDULERS,
+    SHARDABLE_ALGORITHMS,
+    SYNC_MODES,
+)
+from paraloom.errors import UserError
+
+
+def check_name(key: str, value: str, names: Iterable[str]) -> str:
+    """`value` if it is one of `names`; otherwise one line that lists them."""
+    names = tuple(names)
+    if value not in names:
+        raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(names)}")
+    return value
+
+
+def check_dp_options(*, sync: str = "sync", scheduler: str = "wait_free", shard_optimizer: bool = False,
+                     algorithm: str = "native", local_steps: int = 4, local_warmup: int = 0,
+                     credit_mb: float = 8.0, compressor: str | None = None) -> None:
+    """The data-parallel engine's options (comm.*): each name known, and the combinations built."""
+    check_name("comm.sync", sync, SYNC_MODES)
+    check_name("comm.scheduler", scheduler, SCHEDULERS)
+    check_name("comm.algorithm", algorithm, ALL_REDUCE_ALGORITHMS)
+    compressor = compressor or "none"
+    check_name("comm.compressor", compressor, ("none", *COMPRESSORS))
+    if local_steps < 1 or local_warmup < 0:
+        raise UserError("comm.local_steps must be at least 1 and comm.local_warmup not negative")
+    if credit_mb <= 0:
+        raise UserError(f"comm.credit_mb={credit_mb} must be positive")
+    if shard_optimizer and sync != "sync":
+        raise UserError(f"comm.shard_optimizer=true works with comm.sync=sync only, not {sync!r}")
+    if shard_optimizer and algorithm not in SHARDABLE_ALGORITHMS:
+        raise UserError(f"comm.shard_optimizer=true reduce-scatters with algorithm "
+                        f"{' or '.join(SHARDABLE_ALGORITHMS)}, not {algorithm!r}")
+    if compressor != "none" and (shard_optimizer or sync == "one_step_delay"):
+        raise UserError(f"comm.compressor={compressor} compresses the gradient all-reduce of comm.sync=sync "
+                        "or local_sgd's warm-up; not with one_step_delay or shard_optimizer")
+    if compressor == "powersgd" and scheduler == "priority" and algorithm != "native":
+        raise UserError("comm.compressor=powersgd with comm.scheduler=priority needs comm.algorithm=native: "
+                        "its two rounds come from two threads, which one comm thread would serialize "
+                        "differently on different ranks")
+    if scheduler == "priority" and (sync != "sync" or shard_optimizer):
+        raise UserError("comm.scheduler=priority works with comm.sync=sync and no optimizer sharding: "
+                        "its deferred updates replace the synchronous step")
+
+
+def check_compressor_options(compressor: str, *, density: float | None, bits: int | None,
+                             lowrank: int | None) -> None:
+    """comm.density, comm.bits and comm.lowrank: each only for the compressors that take it."""
+    if density is not None:
+        if compressor not in DENSITY_COMPRESSORS:
+            raise UserError(f"comm.density applies to compressors {', '.join(DENSITY_COMPRESSORS)}, "
+                            f"not comm.compressor={compressor}")
+        if not 0 < density <= 1:
+            raise UserError(f"comm.density={density} must lie in (0, 1]")
+    if bits is not None and (compressor != "qsgd" or bits not in (2, 4, 8)):
+        raise UserError(f"comm.bits={bits} applies to comm.compressor=qsgd, with 8, 4 or 2 bits")
+    if lowrank is not None and (compressor != "powersgd" or lowrank < 1):
+        raise UserError(f"comm.lowrank={lowrank} applies to comm.compressor=powersgd, and must be at least 1")
+
+
+def check_push_compressor(compressor: str) -> None:
+    """A parameter server decodes pushes of one fixed size: only those compressors may push."""
+    if compressor not in ("none", *FIXED_SIZE_COMPRESSORS):
+        raise UserError(f"comm.compressor={compressor} cannot compress parameter-server pushes "
+                        "(parallel.mode=ps): its payload size or decoding changes from step to step; "
+                        f"choose none or one of: {', '.join(FIXED_SIZE_COMPRESSORS)}")
+
+
+def check_parallel_layout(*, mode: str, tp: int, pp: int, microbatches: int) -> None:
+    """parallel.mode against tensor and pipeline parallelism: the combinations that make sense."""
+    check_name("parallel.mode", mode, PARALLEL_MODES)
+    if mode == "ps" and (tp > 1 or pp > 1):
+        raise UserError("parallel.mode=ps trains whole replicas: leave parallel.tp and parallel.pp at 1")
+    if mode == "layers" and (tp > 1 or microbatches > 1):
+        raise UserError("parallel.mode=layers has no micro-batches or tensor parallelism: for those "
+                        "use parallel.mode=dp with parallel.pp / parallel.microbatches / parallel.tp")
+
+
+def check_model_parallel_sync(*, dp: int, sync: str, shard_optimizer: bool, scheduler: str,
+                              compressor: str) -> None:
+    """What data parallelism may do beside tensor or pipeline parallelism."""
+    if sync != "sync" or shard_optimizer:
+        raise UserError("tensor and pipeline parallelism run with comm.sync=sync and "
+                        "comm.shard_optimizer=false")
+    if dp > 1 and scheduler == "priority" and compressor == "powersgd":
+        raise UserError("comm.compressor=powersgd under comm.scheduler=priority needs a whole-world "
+                        "data-parallel group; with tensor or pipeline parallelism use wait_free or fifo")
+
+
+def check_sparse_training(*, mode: str, model_parallel: bool, compressor: str, sync: str,
+                          engine: str) -> None:
+    """Pruning masks are the compression of plain synchronous data parallelism."""
+    if mode != "dp" or model_parallel or compressor != "none" or sync != "sync" or engine != "bucketed":
+        raise UserError("sparse.sparsity > 0 runs in data-parallel training (parallel.mode=dp, no tp/pp) "
+                        "with comm.sync=sync, comm.engine=bucketed and comm.compressor=none: the masks "
+                        "are its compression")
+
+
+def check_model_data(model: str, data: str) -> None:
+    """A zoo model and a built-in data set that fit together."""
+    if model == "cnn" and data == "synthetic":
+        raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
+                        "use model.name=mlp")
+    if (model == "gpt") != (data == "text"):
+        raise UserError(f"model.name={model} cannot train on data.name={data}: "
+                        "the gpt reads data.name=text, and only the gpt does")
+
+
+def check_batch_split(*, batch_size: int, dp: int, microbatches: int, model_parallel: bool) -> None:
+    """The global batch splits evenly over data-parallel replicas, and each share into micro-batches."""
+    if batch_size % dp:
+        below = batch_size // dp * dp
+        near = f"{below} or {below + dp}" if below else str(dp)
+        who = "data-parallel replicas" if model_parallel else "workers"
+        raise UserError(f"data.batch_size={batch_size} cannot be split across {dp} {who}; "
+                        f"choose a multiple of {dp}, e.g. {near}")
+    if (batch_size // dp) % microbatches:
+        raise UserError(f"the per-replica batch of {batch_size // dp} does not split into "
+                        f"parallel.microbatches={microbatches}; choose data.batch_size as a multiple of "
+                        f"{dp * microbatches}")
+
+
+def check_tensor_parallel(*, tp: int, model: str, n_heads: int) -> None:
+    """Tensor parallelism splits the gpt's heads: tp must divide them."""
+    if tp == 1:
+        return
+    if model != "gpt":
+        raise UserError(f"parallel.tp={tp} splits the gpt's attention heads and MLP; "
+                        f"model.name={model} has none: use model.name=gpt or tp=1")
+    if n_heads % tp:
+        options = [t for t in range(1, n_heads + 1) if n_heads % t == 0]
+        raise UserError(f"parallel.tp={tp} does not divide model.n_heads={n_heads}; "
+                        f"choose tp in {{{', '.join(map(str, options))}}}")
+
+
+def check_pipeline_stages(*, pp: int, model: str, n_layers: int) -> None:
+    """A gpt has n_layers + 2 pieces to place on stages (embedding, blocks, head)."""
+    if pp > 1 and model == "gpt" and pp > n_layers + 2:
+        raise UserError(f"parallel.pp={pp} stages exceed the gpt's {n_layers + 2} pieces "
+                        "(embedding, blocks, head): raise model.n_layers or lower parallel.pp")
