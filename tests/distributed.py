@@ -18,8 +18,21 @@ import torch
 import torch.distributed as dist
 
 
+def _leave_together(store: dist.Store, world_size: int, ok: bool, timeout: float) -> None:
+    """Tear the group down only once every rank is done (or one failed): a rank that ran no
+    collective could otherwise close its sockets while a peer is still connecting to them, and the
+    peer would fail with "connectFullMesh ... Connection closed by peer"."""
+    if not ok:
+        store.set("failed", "1")
+    store.add("left", 1)
+    deadline = time.monotonic() + timeout
+    while store.add("left", 0) < world_size and not store.check(["failed"]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def _worker(rank: int, world_size: int, store_path: str, results, fn: Callable, args, kwargs,
             timeout: float) -> None:
+    ok = False
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)
@@ -28,13 +41,16 @@ def _worker(rank: int, world_size: int, store_path: str, results, fn: Callable, 
                                 timeout=timedelta(seconds=timeout))
         try:
             out = fn(rank, world_size, *args, **kwargs)
+            # plain pickle copies tensor bytes; the queue's own pickler would share memory through
+            # file descriptors that die with this process
+            results.put((rank, True, pickle.dumps(out)))
+            ok = True
         finally:
+            _leave_together(store, world_size, ok, timeout)
             dist.destroy_process_group()
-        # plain pickle copies tensor bytes; the queue's own pickler would share memory through
-        # file descriptors that die with this process
-        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach pytest
-        results.put((rank, False, traceback.format_exc()))
+        if not ok:
+            results.put((rank, False, traceback.format_exc()))
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
