@@ -6,13 +6,14 @@ from typing import Any
 from paraloom.config import Config, load_config
 from paraloom.errors import UserError
 
-__all__ = ["Config", "DataParallel", "DataParallelNaive", "RankGroups", "Topology", "UserError",
-           "load_config"]
+__all__ = ["Config", "DataParallel", "DataParallelNaive", "DistributedOptimizer", "RankGroups", "Topology",
+           "UserError", "load_config"]
 __version__ = "0.1.0"
 
 _LAZY = {  # names that import torch load on first use, so the CLI starts fast
     "DataParallel": "paraloom.data_parallel",
     "DataParallelNaive": "paraloom.data_parallel",
+    "DistributedOptimizer": "paraloom.data_parallel",
     "RankGroups": "paraloom.topology",
     "Topology": "paraloom.topology",
 }

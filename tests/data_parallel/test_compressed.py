@@ -133,8 +133,10 @@ def _powersgd_one_step(rank, world):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+    # this rank's own gradient (autograd.grad leaves .grad and the engine's hooks alone); by the
+    # time backward returns the engine has averaged .grad, as DDP does
+    local = list(torch.autograd.grad(model(x).square().sum(), list(model.parameters())))
     engine(x).square().sum().backward()
-    local = [p.grad.detach().clone() for p in model.parameters()]  # the first round copied them out
     engine.step(optimizer)
     keys = list(engine.compressor.state.errors)
     engine.close()

@@ -34,7 +34,7 @@ def _train(rank, world, model_name, opt_name, n, engine_kwargs, naive=False, cla
             optimizer.zero_grad(set_to_none=False)
         loss.backward()
         if not naive:
-            launched_in_backward.append(engine._executor.launched)
+            launched_in_backward.append(engine.launched_in_backward)
         if classic:
             engine.sync_gradients()
             grads = [p.grad.clone() for p in model.parameters()]
@@ -187,10 +187,14 @@ def test_tied_weights_unused_parameters_and_no_sync(variant, accumulate):
         assert all(torch.count_nonzero(g) == 0 for g in spare_grads)  # never used: reduced as zeros
 
 
-def test_a_second_backward_without_no_sync_is_an_error():
+@pytest.mark.parametrize("options", [{"scheduler": "priority"}, {"shard_optimizer": True}])
+def test_a_second_backward_without_no_sync_is_an_error(options):
+    """Updaters that reduce in backward and apply the update themselves take one backward per step:
+    the error names the fix. (one_step_delay and local SGD's local steps reduce at the step, so a
+    second backward just accumulates, as under no_sync.)"""
     def body(rank, world):
         model = torch.nn.Linear(3, 2)
-        engine = DataParallel(model)
+        engine = DataParallel(model, **options)
         engine(torch.randn(2, 3)).sum().backward()
         try:
             engine(torch.randn(2, 3)).sum().backward()
@@ -201,7 +205,28 @@ def test_a_second_backward_without_no_sync_is_an_error():
         return "no error"
 
     for message in run_workers(body, 2):
-        assert "no_sync" in message
+        assert "no_sync" in message and "optimizer.step()" in message
+
+
+def test_two_backward_passes_average_twice_as_ddp_does():
+    """The synchronous updater averages at the end of every backward, as DDP's reducer does: a
+    second backward before the step adds its own average (avg1 + avg2), the same as under DDP."""
+    def body(rank, world):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        engine = DataParallel(model)
+        xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * k + rank)) for k in range(2)]
+        for x in xs:
+            engine(x).sum().backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        engine.close()
+        return got, [torch.autograd.grad(model(x).sum(), list(model.parameters())) for x in xs]
+
+    results = run_workers(body, 2)
+    for got, _ in results:
+        for i, g in enumerate(got):
+            expected = sum((r[1][0][i] + r[1][1][i]) / 2 for r in results)
+            torch.testing.assert_close(g, expected)
 
 
 @pytest.mark.parametrize("variant", ["wait_free", "priority"])

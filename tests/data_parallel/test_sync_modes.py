@@ -15,7 +15,7 @@ from dp_reference import setup, steps
 
 from paraloom.config import load_config
 from paraloom.data import load_dataset
-from paraloom.data_parallel import DataParallel
+from paraloom.data_parallel import DataParallel, DistributedOptimizer
 from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.train.trainer import batch_loss, train
@@ -50,6 +50,23 @@ def _train_engine(rank, world, opt_name, engine_kwargs):
                              dp_world_size=world)
         loss.backward()
         engine.step(optimizer)
+    engine.finish()
+    params = _params(model)
+    engine.close()
+    return params
+
+
+def _train_drop_in(rank, world, opt_name, engine_kwargs):
+    """The DDP user's loop: zero_grad, backward, optimizer.step() through DistributedOptimizer."""
+    split, model, optimizer = _make(opt_name)
+    engine = DataParallel(model, **engine_kwargs)
+    optimizer = DistributedOptimizer(optimizer, engine)
+    for idx, count in steps(N, rank, world, count=STEPS):
+        optimizer.zero_grad()
+        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
+                             dp_world_size=world)
+        loss.backward()
+        optimizer.step()
     engine.finish()
     params = _params(model)
     engine.close()
@@ -136,6 +153,13 @@ def test_one_step_delay_equals_the_reference(world, bucket_mb):
         torch.testing.assert_close(params, expected)
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_one_step_delay_through_distributed_optimizer_equals_the_reference(opt_name):
+    expected = _od_sgd_reference(opt_name, 2)
+    for params in run_workers(_train_drop_in, 2, opt_name, {"sync": "one_step_delay"}):
+        torch.testing.assert_close(params, expected)
+
+
 @pytest.mark.parametrize(("world", "opt_name"), [(2, "sgd"), (3, "sgd"), (2, "adam")])
 def test_one_step_delay_with_its_own_compensation_lr(world, opt_name):
     delay_lr = 0.02  # the optimizers' lr is 0.05 (sgd) / 0.01 (adam)
@@ -157,6 +181,14 @@ def test_local_sgd_equals_the_reference(world, local_steps, warmup, opt_name, bu
     expected = _local_sgd_reference(opt_name, world, local_steps, warmup)
     results = run_workers(_train_engine, world, opt_name, kwargs)
     for params, mine in zip(results, expected, strict=True):  # rank r against worker r
+        torch.testing.assert_close(params, mine)
+
+
+@pytest.mark.parametrize(("local_steps", "warmup"), [(4, 0), (3, 2)])
+def test_local_sgd_through_distributed_optimizer_equals_the_reference(local_steps, warmup):
+    kwargs = {"sync": "local_sgd", "local_steps": local_steps, "local_warmup": warmup}
+    expected = _local_sgd_reference("adam", 2, local_steps, warmup)
+    for params, mine in zip(run_workers(_train_drop_in, 2, "adam", kwargs), expected, strict=True):
         torch.testing.assert_close(params, mine)
 
 

@@ -18,6 +18,7 @@ from paraloom.data_parallel.synchronous import DONE, SyncUpdater
 
 class DelayedUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
+    plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
 
     def __init__(self, engine, *, lr: float | None) -> None:
         super().__init__(engine)

@@ -14,92 +14,80 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paraloom.comm.algorithms import all_reduce
-from paraloom.comm.collectives import CommStats, broadcast, private_group
+from paraloom.comm.collectives import CommStats, private_group
 from paraloom.comm.executor import CommThread, CreditExecutor, Executor
 from paraloom.comm.policies import CommTask
 from paraloom.comm.schedulers import make_scheduler
 from paraloom.compress import make_compressor
-from paraloom.config import CommConfig
+from paraloom.data_parallel import ddp_args
 from paraloom.data_parallel.bucket import Bucket, Piece, assign_buckets, cut_pieces
+from paraloom.data_parallel.ddp_interface import DDPInterface
 from paraloom.data_parallel.finite import all_finite, not_finite
 from paraloom.data_parallel.lowrank import PowerSGDReducer
+from paraloom.data_parallel.states import sync_states
 from paraloom.data_parallel.synchronous import DONE
 from paraloom.data_parallel.updaters import make_updater
 from paraloom.rules import check_dp_options
 
 MB = 2**20
 
-# The engine's options are the comm.* config keys of the same names, with CommConfig's defaults:
-# one source of defaults for the engine, the CLI and the performance model.
-ENGINE_OPTIONS = ("bucket_mb", "first_bucket_mb", "scheduler", "algorithm", "sync", "local_steps",
-                  "local_warmup", "shard_optimizer", "partition_mb", "credit_mb", "delay_lr", "compressor")
-_D = CommConfig()
 
+class DataParallel(DDPInterface, nn.Module):
+    """A drop-in for `torch.nn.parallel.DistributedDataParallel`; see the module docstring.
 
-class DataParallel(nn.Module):
-    """Data-parallel wrapper; see the module docstring and `paraloom.config.CommConfig` for options.
-
-    The options come as keywords, or all at once from `comm=CommConfig(...)`; the data-parallel
-    group as `group=`, or from `topology=` (a `Topology`, whose groups are made here, or the
-    `RankGroups` it made).
+    DDP's arguments come first, in the installed torch's order (`ddp_args` says what each means
+    here), then paraloom's options as keywords — the comm.* config keys, or all at once from
+    `comm=CommConfig(...)` — and its wiring: the data-parallel group as `group=` (DDP's
+    `process_group=`) or from `topology=` (a `Topology`, whose groups are made here, or the
+    `RankGroups` it made), `stats=`, `timeline=`, `comm_group=`, `compressor_options=`.
     """
 
-    def __init__(self, module: nn.Module, *, group: dist.ProcessGroup | None = None,
-                 bucket_mb: float = _D.bucket_mb, first_bucket_mb: float = _D.first_bucket_mb,
-                 scheduler: str = _D.scheduler, algorithm: str = _D.algorithm, stats: CommStats | None = None,
-                 sync: str = _D.sync, local_steps: int = _D.local_steps, local_warmup: int = _D.local_warmup,
-                 shard_optimizer: bool = _D.shard_optimizer, partition_mb: float = _D.partition_mb,
-                 credit_mb: float = _D.credit_mb, delay_lr: float | None = _D.delay_lr,
-                 compressor: str | None = _D.compressor, compressor_options: dict | None = None,
-                 timeline=None, comm_group: dist.ProcessGroup | None = None,
-                 topology=None, comm=None) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__()
-        if comm is not None:
-            given = {k: v for k, v in locals().items() if k in ENGINE_OPTIONS and v != getattr(_D, k)}
-            if given:
-                raise TypeError(f"give engine options in comm= or as keywords, not both: {sorted(given)}")
-            (bucket_mb, first_bucket_mb, scheduler, algorithm, sync, local_steps, local_warmup,
-             shard_optimizer, partition_mb, credit_mb, delay_lr, compressor) = map(comm.__getattribute__,
-                                                                                  ENGINE_OPTIONS)
-            compressor_options = {**comm.compressor_options(), **(compressor_options or {})}
-        compressor = compressor or "none"
-        if topology is not None:
-            if group is not None:
-                raise TypeError("give group= or topology=, not both")
-            groups = topology.init_groups() if hasattr(topology, "init_groups") else topology
-            group = groups.dp_group
+        given = ddp_args.bind((self, *args), kwargs)
+        ddp = ddp_args.resolve(given)
+        o = ddp_args.engine_options(given)
+        if given["comm"] is None:
+            o["bucket_mb"] = ddp["bucket_mb"]
+        group = ddp_args.data_parallel_group(given, ddp["group"])
+        module, scheduler, algorithm = given["module"], o["scheduler"], o["algorithm"]
+        compressor = o["compressor"]
         # refuse bad options before touching the model or the group
-        check_dp_options(sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer, algorithm=algorithm,
-                         local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
-                         compressor=compressor)
+        check_dp_options(**{k: o[k] for k in ("sync", "scheduler", "shard_optimizer", "algorithm",
+                                              "local_steps", "local_warmup", "credit_mb", "compressor")})
         self.compressor = None
         if compressor == "powersgd":
-            self.compressor = PowerSGDReducer(**(compressor_options or {}))
+            self.compressor = PowerSGDReducer(**o["compressor_options"])
         elif compressor != "none":
-            self.compressor = make_compressor(compressor, **(compressor_options or {}))
+            self.compressor = make_compressor(compressor, **o["compressor_options"])
+        self.device_ids = ddp["device_ids"]
+        self.forward_sync_buffers = ddp["forward_sync_buffers"]  # DDP's broadcast_buffers
+        self.comm_hook = None  # (state, hook) once register_comm_hook() is called
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.algorithm = algorithm
-        self.stats = stats if stats is not None else CommStats()
-        self.timeline = timeline
+        self.stats = given["stats"] if given["stats"] is not None else CommStats()
+        self.timeline = given["timeline"]
         self.policy = make_scheduler(scheduler)
         self.comm_group = group
         if scheduler == "priority":
             # launch times follow each rank's own progress, so the engine's collectives get a
             # group of their own: they can never interleave differently with the caller's
-            self.comm_group = comm_group if comm_group is not None else private_group(group)
+            self.comm_group = given["comm_group"] or private_group(group)
             if compressor == "powersgd":  # its second rounds are issued by the waiting thread
                 self.compressor.second_group = private_group(group)
-            self._executor = CreditExecutor(self.policy, int(credit_mb * MB))
+            self._executor = CreditExecutor(self.policy, int(o["credit_mb"] * MB))
         else:
             self._executor = Executor(self.policy)
         self._thread = CommThread() if algorithm != "native" and self.world_size > 1 else None
@@ -112,18 +100,24 @@ class DataParallel(nn.Module):
         self.forward_done_at = 0.0
         self.ready_at: dict[int, float] = {}  # piece key -> seconds from end of forward to ready
         self.piece_times: dict[int, list[float]] | None = None  # when set: key -> [launched, done]
-        with torch.no_grad():  # every replica starts from group rank 0's state, as DDP does
-            for tensor in [*module.parameters(), *module.buffers()]:
-                broadcast(tensor.data, group=group)
+        self.backward_started = False
+        self._end_queued = False  # the end-of-backward callback is queued for this backward
+        self._synced = False  # the gradients are averaged and nothing has arrived since
+        self._launched_in_backward = 0
+        self._stepping = 0  # > 0 while the engine drives the optimizer (plain step() is refused otherwise)
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync
+        sync_states(module, group, ddp["init_sync"], ddp["init_sync_buffers"])
         params = [p for p in module.parameters() if p.requires_grad][::-1]  # ~ backward order
+        caps = (o["bucket_mb"], o["first_bucket_mb"])
         if scheduler == "priority":  # small tensors merge up to a partition; large ones are cut
-            bucket_mb = first_bucket_mb = partition_mb
+            caps = (o["partition_mb"], o["partition_mb"])
         groups = assign_buckets([(p.numel() * p.element_size(), p.dtype) for p in params],
-                                int(bucket_mb * MB), int(first_bucket_mb * MB))
-        pad_to = self.world_size if shard_optimizer else 1
+                                int(caps[0] * MB), int(caps[1] * MB))
+        pad_to = self.world_size if o["shard_optimizer"] else 1
         self.buckets = [Bucket.build(i, [params[j] for j in members], pad_to=pad_to)
                         for i, members in enumerate(groups)]
-        self.pieces = cut_pieces(self.buckets, int(partition_mb * MB) if scheduler == "priority" else None)
+        piece_mb = o["partition_mb"] if scheduler == "priority" else None
+        self.pieces = cut_pieces(self.buckets, int(piece_mb * MB) if piece_mb else None)
         self.n_pieces = sum(len(p) for p in self.pieces)
         self._slot = {}
         self.hooks = []  # removed by close(), so a closed engine leaves the model as it found it
@@ -132,25 +126,20 @@ class DataParallel(nn.Module):
                 self._slot[p] = (bucket, slot)
                 bucket.bind(slot)
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self.updater = make_updater(self, sync=sync, scheduler=scheduler, shard_optimizer=shard_optimizer,
-                                    local_steps=local_steps, local_warmup=local_warmup, credit_mb=credit_mb,
-                                    delay_lr=delay_lr)
+        self.updater = make_updater(self, **{k: o[k] for k in ("sync", "scheduler", "shard_optimizer",
+                                                               "local_steps", "local_warmup", "credit_mb",
+                                                               "delay_lr")})
+        if not self.updater.plain_optimizer_step:
+            self.hooks.append(register_optimizer_step_pre_hook(self._refuse_plain_step))
+        if self.updater.lands_on_read:  # deferred updates land before anyone reads the state dict
+            self.hooks.append(module.register_state_dict_pre_hook(lambda *_: self.finish()))
         self._reset()
 
     def forward(self, *args, **kwargs):
+        self._pre_forward()
         out = self.module(*args, **kwargs)
-        self.updater.after_forward()
-        self.forward_done_at = time.perf_counter()
+        self._post_forward()
         return out
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (gradient accumulation); the next synced step reduces them."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
 
     # ---- backward: hooks -> buckets -> scheduler
 
@@ -166,14 +155,23 @@ class DataParallel(nn.Module):
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, slot = self._slot[p]
         self.copies += bucket.bind(slot)
+        self._synced = False
+        self.backward_started = True
+        plain = self.updater.plain_optimizer_step
+        if self._sync and self.reduce_in_backward and plain and not self._end_queued:
+            # as DDP: the gradients are averaged by the time backward returns, so a plain
+            # `optimizer.step()` reads them (autograd runs this once the whole backward is done)
+            self._end_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
         # before the gradient is sent; under no_sync() the synced backward checks the sum (NaN/Inf stay)
         if self._nonfinite is not None and self._sync:
             self._nonfinite.logical_or_(not_finite(p.grad))
         if not (self._sync and self.reduce_in_backward):
             return
         if slot in bucket.seen:
-            raise RuntimeError("a second backward ran before the step; accumulate "
-                               "micro-batches inside `with engine.no_sync():`")
+            raise RuntimeError(f"a second backward ran before the step ({type(self.updater).__name__} "
+                               "updates once per backward): call optimizer.step() between backward passes, "
+                               "or accumulate micro-batches inside `with model.no_sync():`")
         bucket.seen.add(slot)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -256,17 +254,22 @@ class DataParallel(nn.Module):
     def sync_gradients(self) -> None:
         """After backward: reduce whatever is not in flight yet, wait for all, average `.grad`.
 
-        The classic loop (`sync_gradients(); optimizer.step()`), for the synchronous updater.
+        Runs by itself at the end of each synchronized backward (as DDP's reducer does), so the
+        plain loop's `optimizer.step()` reads averaged gradients; calling it again is a no-op until
+        new gradients arrive. The classic `sync_gradients(); optimizer.step()` loop still works.
         """
+        if self._synced:
+            return
         self.updater.check_classic()
         self.complete_missing()
         start = time.perf_counter()
         self._executor.wait_all(self.n_pieces)
         self.stats.seconds += time.perf_counter() - start  # time not hidden behind backward
-        if self.world_size > 1:
+        if self.world_size > 1 and self.comm_hook is None:  # a comm hook returns the average itself
             for bucket in self.buckets:
                 bucket.buffer.div_(self.world_size)
         self._reset()
+        self._synced = True
 
     def guard_nonfinite(self, group: dist.ProcessGroup | None = None) -> None:
         """From now on `step()` skips, on every rank alike, a step whose gradients hold NaN or Inf
@@ -299,18 +302,19 @@ class DataParallel(nn.Module):
 
         Returns False when the non-finite guard (`guard_nonfinite`) skipped the step.
         """
-        if self._guard_sums:
-            return self.updater.step_if_finite(optimizer)
-        if self._nonfinite is not None:
-            flag = self._nonfinite.to(torch.uint8)
-            self._nonfinite.zero_()
-            if self._guard_group is not None:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._guard_group)
-            if flag.item():
-                self.skip_step()
-                return False
-        self.updater.step(optimizer)
-        return True
+        with self.stepping():
+            if self._guard_sums:
+                return self.updater.step_if_finite(optimizer)
+            if self._nonfinite is not None:
+                flag = self._nonfinite.to(torch.uint8)
+                self._nonfinite.zero_()
+                if self._guard_group is not None:
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._guard_group)
+                if flag.item():
+                    self.skip_step()
+                    return False
+            self.updater.step(optimizer)
+            return True
 
     @torch.no_grad()
     def skip_step(self) -> None:
@@ -318,7 +322,7 @@ class DataParallel(nn.Module):
 
         Error-feedback memories that the bad gradients reached are dropped with them.
         """
-        if self.reduce_in_backward and self._sync:
+        if self.reduce_in_backward and self._sync and not self._synced:  # not yet landed at backward's end
             self.complete_missing()
             self._executor.wait_all(self.n_pieces)
         self._reset()
@@ -331,15 +335,18 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for communication in flight and apply deferred updates (before evaluating or saving)."""
-        self.updater.finish()
+        with self.stepping():
+            self.updater.finish()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
-    def state_dict(self) -> dict:
+    def comm_state_dict(self) -> dict:
         """This rank's communication state for a checkpoint: the updater's and the compressor's.
+
+        (`state_dict()` is the wrapped module's, under `module.` keys, as DDP's is.)
 
         Call between steps. In-flight collectives are waited for; nothing a later step computes
         changes (parameters and optimizer state are the caller's to save).
@@ -349,7 +356,7 @@ class DataParallel(nn.Module):
         return {"updater": self.updater.state_dict(),
                 "compressor": state_dict_of(self.compressor) if self.compressor is not None else None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_comm_state_dict(self, state: dict) -> None:
         from paraloom.compress.state import load_state_of
 
         self.updater.load_state_dict(state["updater"])
@@ -364,7 +371,7 @@ class DataParallel(nn.Module):
         return self.updater.replicas_identical
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self.stepping():
             self.finish()
         for hook in self.hooks:
             hook.remove()
@@ -373,3 +380,6 @@ class DataParallel(nn.Module):
         if self._thread is not None:
             self._thread.close()
             self._thread = None
+
+
+DataParallel.__init__.__signature__ = ddp_args.SIGNATURE  # help() and inspect show DDP's arguments, then ours

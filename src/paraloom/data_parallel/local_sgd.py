@@ -16,6 +16,7 @@ from paraloom.data_parallel.synchronous import SyncUpdater
 
 class LocalSGDUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
+    plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
 
     def __init__(self, engine, *, local_steps: int, warmup: int) -> None:
         super().__init__(engine)

@@ -72,10 +72,10 @@ class DataParallelNaive(nn.Module):
 
     replicas_identical = True  # synchronous: every rank holds the same parameters between steps
 
-    def state_dict(self) -> dict:
+    def comm_state_dict(self) -> dict:
         return {"updater": {}, "compressor": None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_comm_state_dict(self, state: dict) -> None:
         if state["updater"] or state["compressor"] is not None:
             raise ValueError("the checkpoint holds engine state that the naive engine does not keep")
 

@@ -21,6 +21,8 @@ PROFILED_STEP = 1  # step 0 warms up allocators and caches; step 1 is timed; ste
 
 class PriorityUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
+    plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
+    lands_on_read = True  # the last step's updates are pending until the next forward or a read
 
     def __init__(self, engine, *, credit_bytes: int) -> None:
         super().__init__(engine)
@@ -35,12 +37,19 @@ class PriorityUpdater(SyncUpdater):
         for bucket, pieces in zip(engine.buckets, engine.pieces, strict=True):
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 self.pieces_of[p] = [q for q in pieces if q.start < offset + p.numel() and q.stop > offset]
-        self.modules = [m for m in engine.module.modules() if any(True for _ in m.parameters(recurse=False))]
+        self.modules = [m for m in engine.module.modules()
+                        if m is engine.module or any(True for _ in m.parameters(recurse=False))]
+        # a module whose forward never runs (nn.MultiheadAttention reads out_proj.weight itself) has
+        # its parameters applied with the first enclosing module that does run
+        self.ran: set[nn.Module] = set()
         for module in self.modules:
             engine.hooks.append(module.register_forward_pre_hook(self._before_forward))
 
+    @torch.compiler.disable  # waits and optimizer steps: eager, also inside a compiled module
     def _before_forward(self, module: nn.Module, _args) -> None:
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        self.ran.add(module)
+        own = [p for m in module.modules() if m is module or m not in self.ran
+               for p in m.parameters(recurse=False) if p.requires_grad]
         for p in own:
             self.forward_rank.setdefault(p, len(self.forward_rank))
         if self.pending:
@@ -71,7 +80,8 @@ class PriorityUpdater(SyncUpdater):
             if engine.world_size > 1:
                 pieces[key].grad.div_(engine.world_size)
             self.averaged.add(key)
-        step_some(self.optimizer, params, self.lrs)
+        with engine.stepping():
+            step_some(self.optimizer, params, self.lrs)
         for p in params:
             p.grad.zero_()
         self.pending.difference_update(params)

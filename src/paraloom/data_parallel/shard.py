@@ -11,6 +11,8 @@ learning-rate schedules on it still apply.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 class ShardedUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
+    plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
@@ -61,7 +64,11 @@ class ShardedUpdater(SyncUpdater):
             raise UserError("comm.shard_optimizer=true supports an optimizer with one parameter group")
         hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         if self.inner is None:
-            self.inner = type(optimizer)(self.shards, **hyper)
+            # the group holds keys the constructor does not take (AdamW's decoupled_weight_decay):
+            # build with those it takes, then carry every key over
+            accepted = inspect.signature(type(optimizer).__init__).parameters
+            self.inner = type(optimizer)(self.shards, **{k: v for k, v in hyper.items() if k in accepted})
+            self.inner.param_groups[0].update(hyper)
             saved, self._saved_inner = getattr(self, "_saved_inner", None), None
             if saved is not None:
                 self.inner.load_state_dict(saved)

@@ -9,6 +9,7 @@ in data_parallel/updaters.py.
 
 from __future__ import annotations
 
+from paraloom.data_parallel.comm_hook import launch_hooked
 from paraloom.data_parallel.compressed import launch_compressed
 
 
@@ -34,11 +35,20 @@ class SyncUpdater:
     # rank is in them (NaN + x = NaN, Inf + finite = Inf, Inf - Inf = NaN): the non-finite guard can
     # check those locally instead of all-reducing a flag. Updaters that update from anything else say no.
     guards_on_sums = True
+    # The update is a plain optimizer step on the averaged gradients: the engine averages them at
+    # the end of backward and the user's `optimizer.step()` may apply them. Updaters that update
+    # otherwise say no, and a plain step is refused (DistributedOptimizer drives them).
+    plain_optimizer_step = True
+    # Whether `finish()` is local (no collective of its own) and must run before the wrapped
+    # module's state dict is read: the priority scheduler's deferred per-module updates.
+    lands_on_read = False
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def launch(self, piece, on_done=None):
+        if self.engine.comm_hook is not None:
+            return launch_hooked(self.engine, piece, on_done)
         if self.engine.compressor is not None:
             return launch_compressed(self.engine, piece, on_done)
         return self.engine.all_reduce_async(piece.grad, self.engine.piece_name(piece), on_done)

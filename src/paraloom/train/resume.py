@@ -24,7 +24,7 @@ RESUMES = "resumes.json"
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer, engine, *, step: int,
             counters: dict[str, float], device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
     """(shared, local) checkpoint parts of this rank, between steps."""
-    local: dict[str, Any] = {"step": step, "counters": dict(counters), "engine": engine.state_dict(),
+    local: dict[str, Any] = {"step": step, "counters": dict(counters), "engine": engine.comm_state_dict(),
                              "rng": {"torch": torch.get_rng_state()}}
     if device.type == "cuda":
         local["rng"]["cuda"] = torch.cuda.get_rng_state(device)
@@ -43,7 +43,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, engine, shared: 
         raise RuntimeError("the checkpoint holds no model state")
     model.load_state_dict(replicas["model"])
     optimizer.load_state_dict(replicas["optimizer"])
-    engine.load_state_dict(local["engine"])
+    engine.load_comm_state_dict(local["engine"])
     torch.set_rng_state(local["rng"]["torch"].cpu())
     if device.type == "cuda" and "cuda" in local["rng"]:
         torch.cuda.set_rng_state(local["rng"]["cuda"].cpu(), device)

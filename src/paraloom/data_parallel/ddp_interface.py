@@ -1,0 +1,94 @@
+"""The parts of DataParallel that make it a drop-in for DDP: no_sync, comm hooks, the optimizer's step.
+
+Mixed into `engine.DataParallel`; kept apart so the engine module holds the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from paraloom.data_parallel.comm_hook import check_hook
+from paraloom.data_parallel.states import sync_buffers
+
+
+class DDPInterface:
+    """What DDP does around the engine: buffers synced and gradients re-bound before forward,
+    `no_sync()`, `register_comm_hook()`, and the guard that refuses a plain `optimizer.step()`
+    where the engine's updater owns the update."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient accumulation); the next synced step reduces them."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # the engine's own work around forward stays eager under torch.compile (a graph break each)
+    @torch.compiler.disable
+    def _pre_forward(self) -> None:
+        if self._sync_buffers_next and self.forward_sync_buffers and self.world_size > 1:
+            sync_buffers(self.module, self.group)  # as DDP: rank 0's buffers before a training forward
+        if torch.is_grad_enabled():
+            self._bind_missing_grads()
+
+    @torch.compiler.disable
+    def _post_forward(self) -> None:
+        self._sync_buffers_next = torch.is_grad_enabled() and self._sync
+        self.updater.after_forward()
+        self.forward_done_at = time.perf_counter()
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self._launched_in_backward = self._executor.launched
+        try:
+            self.sync_gradients()
+        except RuntimeError as exc:  # DDP without join() hangs here; say what most likely happened
+            raise RuntimeError(
+                "the gradient all-reduce did not complete: another rank stopped taking part. If the "
+                "ranks' inputs are uneven, give every rank the same number of batches (e.g. "
+                "DistributedSampler(..., drop_last=True)); otherwise a rank failed or hangs. "
+                f"The backend said: {exc}") from exc
+
+    @property
+    def launched_in_backward(self) -> int:
+        """Collectives launched while the last backward ran, before the end-of-backward wait."""
+        return self._launched_in_backward if self._synced else self._executor.launched
+
+    @torch.no_grad()
+    def _bind_missing_grads(self) -> None:
+        """Gradients set to None (`optimizer.zero_grad()`'s default) become zeroed bucket views again
+        before backward, so autograd accumulates straight into the buckets: no copy per step."""
+        for bucket in self.buckets:
+            if any(p.grad is None for p in bucket.params):
+                for slot in range(len(bucket.params)):
+                    bucket.bind(slot)
+
+    def _refuse_plain_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
+        """An optimizer step pre-hook: under updaters that own the update, only the engine steps."""
+        if self._stepping or not any(p in self._slot for g in optimizer.param_groups for p in g["params"]):
+            return
+        raise RuntimeError(f"{type(self.updater).__name__} applies the update itself, so a plain "
+                           "optimizer.step() would skip it: wrap the optimizer, "
+                           "`optimizer = paraloom.DistributedOptimizer(optimizer, model)`, "
+                           "or call `model.step(optimizer)`")
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """While the engine (or its updater) drives the optimizer: its step() is allowed."""
+        self._stepping += 1
+        try:
+            yield
+        finally:
+            self._stepping -= 1
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """DDP's interface: `hook(state, bucket) -> Future[Tensor]` averages each gradient bucket
+        instead of the engine's all-reduce (torch's default hooks and `paraloom.compress.ddp_hook`)."""
+        check_hook(self, hook)
+        self.comm_hook = (state, hook)

@@ -1,0 +1,229 @@
+"""paraloom.DataParallel as a drop-in for torch DDP: ordinary DDP scripts with only the import changed.
+
+The scripts are examples/ddp_classifier.py and examples/ddp_language_model.py. Each is loaded
+as it is (torch's DDP) and as a copy whose DDP import line is replaced by paraloom's; the ranks
+train both in one process group and the final parameters must agree.
+"""
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+
+from paraloom import DataParallel, DistributedOptimizer
+from paraloom.choices import ALL_REDUCE_ALGORITHMS
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH_IMPORT = "from torch.nn.parallel import DistributedDataParallel as DDP"
+PARALOOM_IMPORT = "from paraloom import DataParallel as DDP"
+SCRIPTS = ("ddp_classifier", "ddp_language_model")
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # import torch._dynamo once, before forking
+
+
+def _source(name: str, engine: str) -> str:
+    text = (ROOT / "examples" / f"{name}.py").read_text()
+    assert text.count(TORCH_IMPORT) == 1
+    return text if engine == "torch" else text.replace(TORCH_IMPORT, PARALOOM_IMPORT)
+
+
+def _load(name: str, engine: str, where: Path):
+    """The script as a module: as written (torch) or with its one import changed (paraloom)."""
+    path = where / f"{name}_{engine}.py"
+    path.write_text(_source(name, engine))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    where = tmp_path_factory.mktemp("ddp_scripts")
+    return {(name, engine): _load(name, engine, where)
+            for name in SCRIPTS for engine in ("torch", "paraloom")}
+
+
+# every synchronous scheduler x algorithm of the plain loop; priority and the sharded optimizer
+# through DistributedOptimizer
+VARIANTS = {f"{s}-{a}": ({"scheduler": s, "algorithm": a}, None)
+            for s in ("wait_free", "fifo") for a in ALL_REDUCE_ALGORITHMS}
+VARIANTS["priority"] = ({"scheduler": "priority", "partition_mb": 0.01, "credit_mb": 0.02},
+                        DistributedOptimizer)
+VARIANTS["shard_optimizer"] = ({"shard_optimizer": True}, DistributedOptimizer)
+VARIANTS["tiny_buckets"] = ({"bucket_cap_mb": 1e-6}, None)
+
+
+def _train_all(rank, world, torch_script, paraloom_script, optimizer, accumulate, variants):
+    torch.set_num_threads(1)
+    kwargs = {"steps": 4, "optimizer": optimizer, "accumulate": accumulate}
+    out = {"ddp": torch_script.train(**kwargs)}
+    for name in variants:
+        options, wrap = VARIANTS[name]
+        out[name] = paraloom_script.train(**kwargs, ddp_options=options, wrap_optimizer=wrap)
+    return out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("optimizer, accumulate, variants", [
+    ("sgd", 1, list(VARIANTS)),
+    ("adamw", 1, ["wait_free-native", "fifo-ring", "priority", "shard_optimizer"]),
+    ("sgd", 2, ["wait_free-native", "wait_free-halving_doubling", "priority"]),
+    ("adamw", 2, ["wait_free-native", "tiny_buckets"]),
+])
+def test_only_the_import_changed_trains_like_ddp(scripts, name, optimizer, accumulate, variants):
+    results = run_workers(_train_all, 2, scripts[name, "torch"], scripts[name, "paraloom"], optimizer,
+                          accumulate, variants, timeout=120)
+    for out in results:
+        for variant in variants:
+            torch.testing.assert_close(out[variant], out["ddp"], msg=lambda m, v=variant: f"{v}: {m}")
+
+
+def _copies_and_state(rank, world, path):
+    torch.manual_seed(0)
+    model = DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                             torch.nn.Linear(8, 2)))
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()  # set_to_none: the gradients are re-bound to the buckets, not copied
+        model(torch.randn(6, 4, generator=torch.Generator().manual_seed(step * 10 + rank))).sum().backward()
+        opt.step()
+    keys = list(model.state_dict())
+    ddp.load_state_dict(model.state_dict())  # paraloom's checkpoint in DDP's format loads into DDP
+    model.load_state_dict(ddp.state_dict())  # and back
+    if rank == 0:
+        torch.save(model.module.state_dict(), path)
+    dist.barrier()
+    loaded = torch.load(path, weights_only=True)  # buffers are each rank's own after the last forward
+    same = all(torch.equal(loaded[k], v) for k, v in model.module.state_dict().items()) if rank == 0 else True
+    return model.copies, keys, list(ddp.state_dict()), same
+
+
+def test_no_copies_and_state_dicts_in_ddps_format(tmp_path):
+    for copies, keys, ddp_keys, same in run_workers(_copies_and_state, 2, str(tmp_path / "model.pt")):
+        assert copies == 0  # optimizer.zero_grad() sets .grad to None every step, yet nothing is copied
+        assert keys == ddp_keys and all(k.startswith("module.") for k in keys)
+        assert same
+
+
+def _misuse(rank, world, case):
+    torch.manual_seed(rank if case == "different" else 0)
+    model = torch.nn.Linear(3, 2)
+    try:
+        if case == "different":
+            DataParallel(model, init_sync=False)
+        elif case == "plain_step":
+            engine = DataParallel(model, sync="one_step_delay")
+            opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+            engine(torch.randn(2, 3)).sum().backward()
+            opt.step()
+        elif case == "refused_argument":
+            DataParallel(model, mixed_precision=object())
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+    finally:
+        dist.barrier()  # no rank leaves (and tears the group down) while another is still joining it
+    return "no error"
+
+
+@pytest.mark.parametrize("case, fix", [
+    ("different", "init_sync=True"),
+    ("plain_step", "DistributedOptimizer"),
+    ("refused_argument", "mixed_precision"),
+])
+def test_misuse_names_the_fix(case, fix):
+    for message in run_workers(_misuse, 2, case):
+        assert fix in message, message
+
+
+def _signature_and_positional(rank, world):
+    model = torch.nn.Linear(3, 2)
+    engine = DataParallel(model, None, None, 0, True, True, None, 25)  # DDP's positional order
+    return engine.module is model, engine.forward_sync_buffers
+
+
+def test_ddp_positional_arguments_and_signature():
+    import inspect
+
+    ddp = list(inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters)
+    ours = list(inspect.signature(DataParallel).parameters)
+    assert ours[: len(ddp)] == ddp
+    assert run_workers(_signature_and_positional, 2) == [(True, True)] * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_torchrun_runs_the_changed_script(tmp_path, name):
+    script = tmp_path / f"{name}.py"
+    script.write_text(_source(name, "paraloom"))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    proc = subprocess.run([torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(script), "--steps", "3",
+                           "--save", str(tmp_path / "model.pt")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained 3 steps on 2 ranks" in proc.stdout
+    assert torch.load(tmp_path / "model.pt", weights_only=True)
+
+
+def _uneven(rank, world):
+    model = DataParallel(torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2 + rank):  # the last rank has one batch more than the others
+        opt.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    return "done"
+
+
+def test_uneven_inputs_are_a_clear_error():
+    with pytest.raises(AssertionError, match="same number of batches"):
+        run_workers(_uneven, 2, timeout=5)
+
+
+def _hooked(rank, world, hook_name):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from paraloom.compress import ddp_hook
+
+    out = []
+    for wrapper in (torch.nn.parallel.DistributedDataParallel, DataParallel):
+        torch.manual_seed(0)
+        model = wrapper(torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3)))
+        if hook_name == "allreduce":
+            state, hook = None, default_hooks.allreduce_hook
+        elif hook_name == "fp16":
+            state, hook = None, default_hooks.fp16_compress_hook
+        else:
+            state, hook = ddp_hook(hook_name)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            opt.step()
+        if state is not None:
+            state.close()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce", "fp16", "bf16"])
+def test_ddp_comm_hooks_run_in_the_engine_as_in_ddp(hook_name):
+    """torch's default hooks and paraloom's own (`ddp_hook`), registered as on DDP, give DDP's result."""
+    for ddp, ours in run_workers(_hooked, 2, hook_name):
+        torch.testing.assert_close(ours, ddp)
