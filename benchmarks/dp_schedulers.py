@@ -23,7 +23,7 @@ from clusters import emulated
 from common import make_table, write_json
 from rich.console import Console
 
-from paraloom.bench.dp_schedulers import VARIANTS, run
+from paraloom.bench.dp_schedulers import DROP_IN, VARIANTS, run
 from paraloom.cluster.spec import format_rate
 
 MODEL = {"hidden": 1024, "depth": 9}
@@ -54,42 +54,60 @@ def balanced_case(size: dict, trace: str | None, max_probes: int = 3) -> dict:
     return out
 
 
+def summarize(cases: dict, nodes: int) -> dict:
+    """The headline ratios of the variants that ran."""
+    balanced, cluster = cases["balanced_2"], cases[f"emulated_{nodes}x1gbit"]
+    out = {"balanced_bandwidth": format_rate(balanced["bandwidth_bits"]),
+           "balanced_bandwidth_bits": balanced["bandwidth_bits"]}
+    if "ddp" in cluster["seconds"]:
+        out["ratio_waitfree_vs_ddp"] = cluster["ratio_vs_ddp"]["wait_free"]
+        out["ratio_waitfree_vs_ddp_loopback"] = cases["loopback_2"]["ratio_vs_ddp"]["wait_free"]
+    for key, variant in (("ratio_priority_vs_waitfree", "priority"),
+                         ("ratio_odsgd_vs_waitfree", "one_step_delay")):
+        if variant in balanced["seconds"]:
+            out[key] = balanced["ratio_vs_wait_free"][variant]
+    for variant, base in (("drop_in", "wait_free"), ("priority_drop_in", "priority")):
+        if variant in balanced["seconds"] and base in balanced["seconds"]:
+            out[f"ratio_{variant}_vs_{base}"] = {case: c["seconds"][variant] / c["seconds"][base]
+                                                 for case, c in cases.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps: a smoke run")
     parser.add_argument("--trace", metavar="DIR", help="write Chrome traces of paraloom's variants here")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS + DROP_IN)} (wait_free always runs)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (median)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
-    size = {**MODEL, "rounds": 3}
+    variants = tuple(dict.fromkeys(["wait_free", *args.variants.split(",")]))
+    unknown = set(variants) - set(VARIANTS + DROP_IN)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS + DROP_IN)}")
+    size = {**MODEL, "rounds": args.rounds, "variants": variants}
     if args.quick:
-        size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1}
+        size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1, "variants": variants}
     cases = {"balanced_2": balanced_case(size, args.trace, max_probes=1 if args.quick else 3)}
     nodes = 2 if args.quick else 4
     with emulated(nodes, 10**9, "dp") as cluster:
         trace = f"{args.trace}/{nodes}x1gbit" if args.trace else None
         cases[f"emulated_{nodes}x1gbit"] = run(cluster=cluster, **size, trace_dir=trace)
     cases["loopback_2"] = run(nproc=2, **size, trace_dir=f"{args.trace}/loopback" if args.trace else None)
-    balanced = cases["balanced_2"]["ratio_vs_wait_free"]
     report = {
         "model": {**MODEL, "params": cases["loopback_2"]["params"]} if not args.quick else size,
         "cases": cases,
-        "summary": {
-            "ratio_waitfree_vs_ddp": cases[f"emulated_{nodes}x1gbit"]["ratio_vs_ddp"]["wait_free"],
-            "ratio_priority_vs_waitfree": balanced["priority"],
-            "ratio_odsgd_vs_waitfree": balanced["one_step_delay"],
-            "ratio_waitfree_vs_ddp_loopback": cases["loopback_2"]["ratio_vs_ddp"]["wait_free"],
-            "balanced_bandwidth": format_rate(cases["balanced_2"]["bandwidth_bits"]),
-            "balanced_bandwidth_bits": cases["balanced_2"]["bandwidth_bits"],
-        },
+        "summary": summarize(cases, nodes),
     }
     table = make_table("median step time, slowest rank (ms); (ratio to DDP / to wait_free)",
-                       ("case", "compute", "all-reduce", "bound", *VARIANTS))
+                       ("case", "compute", "all-reduce", "bound", *variants))
     for case, out in cases.items():
         s, r, w = out["seconds"], out["ratio_vs_ddp"], out["ratio_vs_wait_free"]
         label = case if case != "balanced_2" else f"balanced_2 @ {format_rate(out['bandwidth_bits'])}"
         table.add_row(label, f"{s['compute'] * 1e3:.0f}", f"{s['allreduce'] * 1e3:.0f}",
                       f"{out['bound'] * 1e3:.0f}",
-                      *[f"{s[v] * 1e3:.0f} ({r[v]:.2f}/{w[v]:.2f})" for v in VARIANTS])
+                      *[f"{s[v] * 1e3:.0f} ({r.get(v, float('nan')):.2f}/{w[v]:.2f})" for v in variants])
     Console(width=200).print(table)
     write_json(args.json, report)
     return 0

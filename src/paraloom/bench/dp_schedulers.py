@@ -10,10 +10,14 @@ from typing import Any
 
 VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "one_step_delay", "local_sgd")
 # ddp_view: DDP with gradient_as_bucket_view; the last three are paraloom's engine with
-# comm.scheduler=priority, comm.sync=one_step_delay, comm.sync=local_sgd (H = 4)
+# comm.scheduler=priority, comm.sync=one_step_delay, comm.sync=local_sgd (H = 4). On request:
+# drop_in and priority_drop_in run wait_free and priority through DDP's own loop
+# (zero_grad(); backward(); optimizer.step(), priority's optimizer a DistributedOptimizer)
+DROP_IN = ("drop_in", "priority_drop_in")
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
                  "priority": {"scheduler": "priority"}, "one_step_delay": {"sync": "one_step_delay"},
-                 "local_sgd": {"sync": "local_sgd", "local_steps": 4}}
+                 "local_sgd": {"sync": "local_sgd", "local_steps": 4},
+                 "drop_in": {"scheduler": "wait_free"}, "priority_drop_in": {"scheduler": "priority"}}
 
 
 def _model(hidden: int, depth: int):
@@ -39,7 +43,7 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paraloom.data import ShardedBatches, load_dataset
-    from paraloom.data_parallel import DataParallel
+    from paraloom.data_parallel import DataParallel, DistributedOptimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
@@ -103,9 +107,15 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
                 kwargs = {**ENGINE_KWARGS[variant], **options.get("engine_options", {}).get(variant, {})}
                 engine = DataParallel(model, bucket_mb=options["bucket_mb"], timeline=timeline, **kwargs)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            if variant == "priority_drop_in":
+                optimizer = DistributedOptimizer(optimizer, engine)
 
             def step(x, y, engine=engine, optimizer=optimizer, variant=variant):
-                if variant.startswith("ddp"):
+                if variant in DROP_IN:
+                    optimizer.zero_grad()
+                    F.cross_entropy(engine(x), y).backward()
+                    optimizer.step()
+                elif variant.startswith("ddp"):
                     optimizer.zero_grad(set_to_none=False)
                     F.cross_entropy(engine(x), y).backward()
                     optimizer.step()
