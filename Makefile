@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+EXTRAS  := $(VENV)/.extras
 
 .PHONY: run test lint bench clean
 
@@ -14,10 +15,15 @@ $(STAMP): $(BIN)/python pyproject.toml requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
 
+# the optional integrations (Lightning, Accelerate): the tests need them, the core install does not
+$(EXTRAS): $(STAMP) requirements-extras.txt
+	$(BIN)/python -m pip install --quiet -r requirements-extras.txt
+	touch $(EXTRAS)
+
 run: $(STAMP)
 	$(BIN)/paraloom train
 
-test: $(STAMP)
+test: $(EXTRAS)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

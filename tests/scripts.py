@@ -1,4 +1,4 @@
-"""Run a benchmark script as a test: its own process group, stopped with SIGTERM (so emulated clusters come
+"""Run a script as a test: its own process group, stopped with SIGTERM (so emulated clusters come
 down) on timeout, and a failure that shows what it printed."""
 
 import os
@@ -12,9 +12,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """Run benchmarks/<script> with this interpreter; assert it exits 0 within `timeout` seconds."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    return run_command([sys.executable, str(ROOT / "benchmarks" / script), *args], timeout=timeout)
+
+
+def run_command(cmd: list[str], *, timeout: float,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `cmd` (and whatever it starts) in a session of its own; assert it exits 0 within `timeout` s."""
+    name = " ".join(Path(part).name if part.endswith(".py") else part for part in cmd[1:])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -24,7 +30,7 @@ def run_script(script: str, *args: str, timeout: float) -> subprocess.CompletedP
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        raise AssertionError(f"{script} {' '.join(args)} ran past {timeout:.0f} s; it printed:\n"
+        raise AssertionError(f"{name} ran past {timeout:.0f} s; it printed:\n"
                              f"{out[-2000:]}\n{err[-6000:]}") from None
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{err[-6000:]}"
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{err[-6000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -102,6 +102,12 @@ def test_low_layers_import_only_lower_ones(package, allowed):
     assert not bad, f"{package} imports above its layer: {sorted(bad)}"
 
 
+def test_integrations_are_imported_only_when_asked_for():
+    users = {name for name, deps in _graph().items() if not name.startswith("paraloom.integrations")
+             and any(dep.startswith("paraloom.integrations") for dep in deps)}
+    assert not users, f"optional bridges (Lightning, ...) imported by the package: {sorted(users)}"
+
+
 def test_names_and_rules_are_torch_free():
     for name in ("choices", "rules", "errors", "config_faults"):
         text = (SRC / f"{name}.py").read_text()
