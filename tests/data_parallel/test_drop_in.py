@@ -227,3 +227,17 @@ def test_ddp_comm_hooks_run_in_the_engine_as_in_ddp(hook_name):
     """torch's default hooks and paraloom's own (`ddp_hook`), registered as on DDP, give DDP's result."""
     for ddp, ours in run_workers(_hooked, 2, hook_name):
         torch.testing.assert_close(ours, ddp)
+
+
+def test_ddp_arguments_without_a_process_group():
+    """device_ids must name the module's device; DDP's aliases cannot be given twice."""
+    from paraloom.data_parallel import ddp_args
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="move the module to that device first"):
+        ddp_args.resolve(ddp_args.bind((None, model), {"device_ids": [0]}))
+    with pytest.raises(ValueError, match="not both"):
+        ddp_args.resolve(ddp_args.bind((None, model), {"bucket_cap_mb": 5, "bucket_mb": 3}))
+    resolved = ddp_args.resolve(ddp_args.bind((None, model), {"broadcast_buffers": False}))
+    assert not resolved["forward_sync_buffers"] and not resolved["init_sync_buffers"]
+    assert ddp_args.resolve(ddp_args.bind((None, model), {"device_ids": ["cpu"]}))["device_ids"] == ["cpu"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from paraloom.config import CommConfig
@@ -67,6 +68,13 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(f"device_ids={list(device_ids)}: one process drives one device, as DDP requires "
                          "today; give one device id (or none for a CPU module)")
+    if device_ids:
+        first = device_ids[0]
+        want = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
+        have = next((p.device for p in given["module"].parameters()), want)
+        if have != want:
+            raise ValueError(f"device_ids={list(device_ids)} but the module's parameters are on {have}: "
+                             "move the module to that device first (module.to(device)), as DDP requires")
     group = given.get("process_group")
     mesh = given.get("device_mesh")
     if mesh is not None:
