@@ -192,6 +192,7 @@ def test_no_push_is_lost_and_ssp_reads_stay_within_the_bound(consistency, stalen
     stats = [rest[0] for kind, *rest in out if kind == "server"]
     assert sent == workers * steps * slices
     assert sum(s["pushes_applied"] for s in stats) == sent
+    assert all(s["received"] == [steps] * workers and s["dropped"] == 0 for s in stats)  # slice 0's
     assert all(s["updates"] == workers * steps * slices for s in stats)  # one step per push
     reads = max(max(s["read_staleness"]) for s in stats)
     if consistency == "ssp":

@@ -1,7 +1,11 @@
 """The parameter server's wire format: one message each way per step, each with a 4-slot int32 header.
 
 A worker's request to a server is [flags, clock, version, token | body]: flags say whether it
-carries a gradient (PUSH), asks for the parameters (PULL) or says goodbye (DONE); clock is the
+carries a gradient (PUSH), asks for the parameters (PULL) or says goodbye (DONE); SNAP marks the
+worker's last push before a checkpoint at its new clock (the server holds the read until every
+worker's push of that clock is in and it has taken its snapshot); NONFINITE says the worker found
+NaN or Inf in the gradient and sent no body (it skips encoding, so that neither the payload nor a
+compressor's error-feedback memory carries them; the server drops the push). Clock is the
 worker's clock after this push (the clock it reads at); version is the server version of the
 parameters the gradient was computed on; token identifies the run. The body is the shard's
 gradient in fp32, or a compressor's fixed-size payload as bytes. A server's reply is
@@ -24,7 +28,7 @@ from paraloom.errors import UserError
 from paraloom.rules import check_push_compressor
 
 SLOTS = 4  # int32 header slots (16 bytes) at the front of every message
-PUSH, PULL, DONE = 1, 2, 4  # request flags
+PUSH, PULL, DONE, SNAP, NONFINITE = 1, 2, 4, 8, 16  # request flags (bits)
 OK, REFUSED = 0, 1  # reply status
 REQUEST, REPLY = 21, 22  # c10d tags of a server's first slice; slice j's are these + 2 j
 

@@ -11,10 +11,18 @@ The first `pull()`, before any push, sends read requests alone.
 gradient (the last layers' slices first), and a reply is loaded only when forward reaches the
 first layer that needs it (the first layers' slices first) — so the next step's forward starts
 once the first slice is back, not the last.
+
+Each slice's gradient is checked for NaN and Inf before encoding (one reduction per slice); a
+non-finite one is not encoded but sent flagged NONFINITE, and the server drops it.
+`last_push_finite` tells the trainer whether the step's gradient was finite everywhere.
+`mark_snapshot()` before backward makes the step's pushes SNAP pushes: the servers take a
+consistent snapshot at the new clock before they answer; `state_dict()` taken then, with the
+servers' snapshot, lets a fresh client and fresh servers resume exactly there.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from typing import Any
@@ -23,8 +31,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.compress.state import load_state_of, state_dict_of
 from paraloom.errors import UserError
-from paraloom.parameter_server.message import DONE, OK, PULL, PUSH, Message, PushCodec, reply_tag, request_tag
+from paraloom.parameter_server.message import (
+    DONE,
+    NONFINITE,
+    OK,
+    PULL,
+    PUSH,
+    SNAP,
+    Message,
+    PushCodec,
+    reply_tag,
+    request_tag,
+)
 from paraloom.parameter_server.shard import flatten_model
 
 
@@ -48,6 +68,9 @@ class PSClient:
         self.pushes_during_backward = 0  # attach(): slices sent before backward had finished
         self.wire_bytes = 0  # bytes of requests sent (headers and payloads)
         self.read_staleness: Counter[int] = Counter()  # own clock - slowest clock, per read
+        self.last_push_finite = True  # the last step's gradient held no NaN or Inf in any slice
+        self._finite = True  # ... so far in this step's pushes
+        self._snap = False  # this step's pushes carry SNAP
         self._receives: list[Any] = [None] * len(servers)  # a slice's reply on its way
         self._sends: list[list[Any]] = [[] for _ in servers]
         self._pushed = [False] * len(servers)  # this step's gradient of the slice has left
@@ -72,6 +95,51 @@ class PSClient:
                 self._push(i)
         self.clock += 1
         self._pushed = [False] * len(self.servers)
+        self.last_push_finite, self._finite, self._snap = self._finite, True, False
+
+    def mark_snapshot(self) -> None:
+        """Make this step's pushes SNAP pushes: the servers snapshot their state at the clock they
+        bring, before answering. Call it before backward, which may push slices (`attach()`)."""
+        if any(self._pushed):
+            raise RuntimeError("mark_snapshot() after some of this step's slices were pushed: call it "
+                               "before backward, so that every slice of the step carries the mark")
+        self._snap = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's progress and every codec's compressor state (error-feedback memory and
+        the like), as copies that load with `torch.load(weights_only=True)`; take it between steps."""
+        if any(self._pushed):
+            raise RuntimeError("state_dict() in the middle of a step's pushes: take it after push()")
+        return {"clock": self.clock, "versions": list(self.versions), "pushes_sent": self.pushes_sent,
+                "pushes_during_backward": self.pushes_during_backward, "wire_bytes": self.wire_bytes,
+                "wait_seconds": self.wait_seconds,
+                # copies: compressors update some of these tensors in place (DGC's momentum)
+                "compressors": [None if c.compressor is None else copy.deepcopy(state_dict_of(c.compressor))
+                                for c in self.codecs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output; on a client with nothing on its way (a fresh one):
+        the next `pull()` then reads at the restored clock."""
+        if any(work is not None for work in self._receives) or any(self._pushed):
+            raise RuntimeError("load_state_dict() on a client with requests on their way; load it into a "
+                               "fresh client, before its first pull()")
+        compressors = state["compressors"]
+        if len(state["versions"]) != len(self.servers) or len(compressors) != len(self.codecs):
+            raise ValueError(f"the state is of {len(state['versions'])} slices; this client has "
+                             f"{len(self.servers)}: load the state of a run with the same layout")
+        for codec, saved in zip(self.codecs, compressors, strict=True):
+            if (codec.compressor is None) != (saved is None):
+                was = "uncompressed" if saved is None else "compressed"
+                raise ValueError(f"the state's pushes were {was}; this client's are "
+                                 f"{codec.name or 'uncompressed'}: resume with the same comm.compressor")
+            if saved is not None:  # a copy: the compressor goes on updating what it is given
+                load_state_of(codec.compressor, copy.deepcopy(saved))
+        self.clock = int(state["clock"])
+        self.versions = [int(v) for v in state["versions"]]
+        self.pushes_sent = int(state["pushes_sent"])
+        self.pushes_during_backward = int(state["pushes_during_backward"])
+        self.wire_bytes = int(state["wire_bytes"])
+        self.wait_seconds = float(state["wait_seconds"])
 
     def close(self) -> None:
         """Tell every server this worker is done (after loading any reply still on its way)."""
@@ -128,9 +196,15 @@ class PSClient:
     def _push(self, i: int) -> None:
         self._finish_sends(i)
         lo, hi = self.bounds[i]
-        self.codecs[i].encode(self.flat_grad[lo:hi], i, self.requests[i])
-        self.flat_grad[lo:hi].zero_()  # the message holds the gradient now
-        self._request(i, PUSH | PULL, clock=self.clock + 1)
+        grad = self.flat_grad[lo:hi]
+        flags = PUSH | PULL | (SNAP if self._snap else 0)
+        if bool(torch.isfinite(grad).all()):
+            self.codecs[i].encode(grad, i, self.requests[i])
+        else:  # not encoded: a compressor could hide a NaN, or keep it in its error feedback
+            flags |= NONFINITE
+            self._finite = False
+        grad.zero_()  # the message holds the gradient now
+        self._request(i, flags, clock=self.clock + 1)
         self._pushed[i] = True
         self.pushes_sent += 1
         if self._waiting:
