@@ -13,7 +13,11 @@ within one. With `static_shapes=True` only the first step of each micro-batch in
 header: later steps reuse the learnt shape, so a receive is posted actions ahead with no header
 round trip first (a sender whose shape changes then stops with an error that says so).
 Gradients need no header: a stage knows the shape of its own output.
-Tags are unique per (micro-batch, channel): header, activation, gradient.
+Tags are unique per (micro-batch, channel): header, activation, gradient. `infer` sends one batch
+forward only (evaluation), with the same header, on tags of its own.
+
+With an active `Timeline` a step records "F{i}" / "B{i}" (lane "compute"), "send F{i} to stage {k}"
+/ "send B{i} to stage {k}" and "wait F{i}" / "wait B{i}" (lane "p2p"); without one, `is None` checks.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from torch import nn
 from paraloom.comm.p2p import Peers
 from paraloom.errors import UserError
 from paraloom.pipeline_parallel.schedules import Action, make_schedule, validate
+from paraloom.trace.timeline import Timeline, WorkSpans
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool]
 HEADER = 16  # int64 slots: dtype code, ndim, then the shape
 LOOKAHEAD = 2  # actions whose receives are posted before they run
 HEADER_TAG, ACTIVATION_TAG, GRAD_TAG = range(3)
+INFER_TAG = 1 << 20  # forward-only messages (`infer`): beyond any step's micro-batch tags
 
 
 def _tag(microbatch: int, channel: int) -> int:
@@ -94,13 +100,15 @@ class PipelineStage:
     `pp_group` ranks are stages in order (group rank = stage; `Topology`'s pp groups are). The last
     stage needs `loss_fn(output, target) -> mean loss of the micro-batch`. `module` may be a
     `DataParallel` engine; pass its `no_sync` to `step`. `history` keeps every step's `StepStats`.
+    `timeline` (also settable later) records each step's compute, sends and waits while active.
     """
 
     def __init__(self, module: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
                  stage: int | None = None, n_stages: int | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 static_shapes: bool = False) -> None:
+                 static_shapes: bool = False, timeline: Timeline | None = None) -> None:
         self.module = module
+        self.timeline = timeline
         self.static_shapes = static_shapes
         self.sent_shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # micro-batch -> what F_i sent
         self.recv_shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # micro-batch -> what F_i got
@@ -141,6 +149,34 @@ class PipelineStage:
             validate(schedule, n_microbatches)
             self._schedules[key] = schedule[self.stage]
         return self._schedules[key]
+
+    # ---- forward only
+
+    @torch.no_grad()
+    def infer(self, x: torch.Tensor | None, module: nn.Module | None = None) -> torch.Tensor | None:
+        """One batch forward, no gradients: the first stage takes `x`, the others receive their
+        input. Returns the last stage's output (None on the others). `module`: run this instead
+        of the stage's module (the bare model under a data-parallel engine)."""
+        module = self.module if module is None else module
+        if self.is_first:
+            h = x.to(self.device)
+        else:
+            header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+            self.peers.irecv(header, self.stage - 1, INFER_TAG + HEADER_TAG).wait()
+            dtype, ndim = DTYPES[int(header[0])], int(header[1])
+            h = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype, device=self.device)
+            self.peers.irecv(h, self.stage - 1, INFER_TAG + ACTIVATION_TAG).wait()
+        out = module(h)
+        if self.is_last:
+            return out
+        out = out.contiguous()
+        header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
+        header[0], header[1] = DTYPES.index(out.dtype), out.dim()
+        header[2: 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+        for work in (self.peers.isend(header, self.stage + 1, INFER_TAG + HEADER_TAG),
+                     self.peers.isend(out, self.stage + 1, INFER_TAG + ACTIVATION_TAG)):
+            work.wait()
+        return None
 
     # ---- one step
 
@@ -209,6 +245,11 @@ class _Run:
         self.busy = 0.0
         self.held = self.peak = 0
         self.loss = torch.zeros((), device=stage.device) if stage.is_last else None
+        timeline = stage.timeline
+        self.timeline = timeline if timeline is not None and timeline.active else None
+        # gloo (CPU tensors) sends report completion only through wait(): WorkSpans waits for them
+        self.clock = None if self.timeline is None else WorkSpans(self.timeline, "p2p",
+                                                                  owns_wait=stage.device.type == "cpu")
 
     def execute(self) -> tuple[torch.Tensor | None, StepStats]:
         start = time.perf_counter()
@@ -221,6 +262,8 @@ class _Run:
                 self.backward(action.microbatch, last=k == self.last_backward)
         for work, _ in self.sends:
             work.wait()
+        if self.clock is not None:
+            self.clock.join()
         stats = StepStats(time.perf_counter() - start, self.busy, self.peak,
                           sum(a.kind == "F" for a in self.actions))
         return self.loss, stats
@@ -234,7 +277,9 @@ class _Run:
             i = action.microbatch
             if action.kind == "F" and not s.is_first:
                 slot = self.posted.setdefault(action, [None, None, None, None])
-                if slot[2] is None and s.static_shapes and i in s.recv_shapes:  # no header: shape known
+                if slot[2] is not None:  # posted by an earlier prefetch (a stray header receive here
+                    continue  # would take the header of a later stage object's step: it hung)
+                if s.static_shapes and i in s.recv_shapes:  # no header: shape known
                     dtype, shape = s.recv_shapes[i]
                     slot[3] = torch.empty(shape, dtype=dtype, device=s.device)
                     slot[2] = s.peers.irecv(slot[3], s.stage - 1, _tag(i, ACTIVATION_TAG))
@@ -258,14 +303,30 @@ class _Run:
         slot[2] = self.s.peers.irecv(slot[3], self.s.stage - 1, _tag(action.microbatch, ACTIVATION_TAG))
 
     def receive(self, action: Action) -> torch.Tensor:
-        slot = self.posted.pop(action)
+        slot, timeline = self.posted.pop(action), self.timeline
+        start = timeline.now() if timeline is not None else 0.0
         if slot[2] is None:
             self.post_activation(action, slot)
         slot[2].wait()
+        if timeline is not None and (end := timeline.now()) > start:
+            timeline.span(f"wait {action}", "p2p", start, end, stage=self.s.stage,
+                          microbatch=action.microbatch)
         return slot[3]
 
-    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self.sends.append((self.s.peers.isend(tensor, peer, tag), tensor))
+    def send(self, tensor: torch.Tensor, peer: int, tag: int,
+             traced: tuple[str, int, float] | None = None) -> None:
+        """Post an isend; `traced` = (kind, micro-batch, start) puts its span on the send clock."""
+        work = self.s.peers.isend(tensor, peer, tag)
+        if traced is not None and self.clock is not None:
+            kind, i, start = traced
+            self.clock.watch(peer, work, f"send {kind}{i} to stage {peer}", start, keep=tensor,
+                             stage=self.s.stage, microbatch=i, bytes=tensor.numel() * tensor.element_size())
+            if self.clock.owns_wait:
+                return
+        self.sends.append((work, tensor))
+
+    def compute_span(self, kind: str, i: int, start: float, end: float) -> None:
+        self.timeline.span(f"{kind}{i}", "compute", start, end, stage=self.s.stage, microbatch=i)
 
     # ---- compute
 
@@ -285,7 +346,10 @@ class _Run:
             out = s.module(x)
             if s.is_last:
                 out = s.loss_fn(out, self.targets[i].to(s.device)) * self.weights[i]
-        self.busy += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy += end - start
+        if self.timeline is not None:
+            self.compute_span("F", i, start, end)
         held.add(x)
         if s.is_last:
             self.loss += out.detach()
@@ -297,6 +361,7 @@ class _Run:
                                 f"sent: the pipeline carries tensors of at most {HEADER - 2} dims of "
                                 f"dtypes {DTYPES}")
             sent = (outgoing.dtype, tuple(outgoing.shape))
+            traced = None if self.timeline is None else ("F", i, self.timeline.now())  # header included
             if s.static_shapes and i in s.sent_shapes:
                 if s.sent_shapes[i] != sent:
                     raise UserError(f"stage {s.stage}: micro-batch {i}'s activation changed from "
@@ -308,7 +373,7 @@ class _Run:
                 header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
                 self.send(header, s.stage + 1, _tag(i, HEADER_TAG))
                 s.sent_shapes[i] = sent
-            self.send(outgoing, s.stage + 1, _tag(i, ACTIVATION_TAG))
+            self.send(outgoing, s.stage + 1, _tag(i, ACTIVATION_TAG), traced)
         nbytes = held.nbytes if known is None else known
         if s.static_shapes:
             s.held_bytes[i] = nbytes
@@ -324,8 +389,12 @@ class _Run:
         start = time.perf_counter()
         with context:
             torch.autograd.backward(out, grad)
-        self.busy += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy += end - start
+        if self.timeline is not None:
+            self.compute_span("B", i, start, end)
         if not s.is_first:
             dx = x.grad if x.grad is not None else torch.zeros_like(x)
-            self.send(dx.contiguous(), s.stage - 1, _tag(i, GRAD_TAG))
+            traced = None if self.timeline is None else ("B", i, self.timeline.now())
+            self.send(dx.contiguous(), s.stage - 1, _tag(i, GRAD_TAG), traced)
         self.held -= nbytes

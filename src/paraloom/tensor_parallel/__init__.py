@@ -6,6 +6,7 @@ from paraloom.tensor_parallel.apply import (
     load_full_state_dict,
     param_bytes,
     tp_loss,
+    trace_tensor_parallel,
 )
 from paraloom.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -33,5 +34,6 @@ __all__ = [
     "reduce_from_region",
     "scatter_to_region",
     "tp_loss",
+    "trace_tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]

@@ -10,6 +10,8 @@ embedding stay replicated (their gradients come out equal on every rank).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +26,9 @@ from paraloom.tensor_parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from paraloom.tensor_parallel.mappings import group_rank, group_size
+
+if TYPE_CHECKING:
+    from paraloom.trace.timeline import Timeline
 
 PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -82,13 +87,23 @@ def apply_tensor_parallel(module: nn.Module, tp_group: dist.ProcessGroup | None 
     return module
 
 
-def tp_loss(logits: torch.Tensor, targets: torch.Tensor,
-            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def trace_tensor_parallel(module: nn.Module, timeline: Timeline | None) -> int:
+    """Make every tensor-parallel layer in `module` record its collectives on `timeline` (lane "tp"),
+    forward and backward, while the timeline is active; None detaches. Returns how many layers."""
+    layers = [m for m in module.modules() if isinstance(m, PARALLEL_LAYERS)]
+    for layer in layers:
+        layer.timeline = timeline
+    return len(layers)
+
+
+def tp_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None = None,
+            timeline: Timeline | None = None) -> torch.Tensor:
     """Mean token cross-entropy of vocabulary-parallel logits (B, T, vocab / tp) against targets (B, T).
 
-    Replaces `F.cross_entropy(logits.flatten(0, 1), targets.flatten())` on a tensor-parallel GPT.
+    Replaces `F.cross_entropy(logits.flatten(0, 1), targets.flatten())` on a tensor-parallel GPT;
+    `timeline` records its collectives (lane "tp") while active.
     """
-    return vocab_parallel_cross_entropy(logits, targets, group)
+    return vocab_parallel_cross_entropy(logits, targets, group, timeline)
 
 
 def param_bytes(module: nn.Module) -> int:

@@ -4,12 +4,14 @@ Each layer holds one rank's shard and remembers where it sits in the unsplit ten
 name -> split dimension; `full_index`: the unsplit indices along it), so full tensors can be rebuilt.
 `from_linear` / `from_embedding` copy the right slice of an unsplit module, so a tensor-parallel model
 built from a seeded full model computes exactly what the full model computes.
+Each layer's `timeline` (None; set by `trace_tensor_parallel`) is handed to the collectives it runs.
 """
 
 from __future__ import annotations
 
 import math
 from math import gcd
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,11 @@ from paraloom.tensor_parallel.mappings import (
     group_size,
     reduce_from_region,
     scatter_to_region,
+    timed,
 )
+
+if TYPE_CHECKING:
+    from paraloom.trace.timeline import Timeline
 
 Group = dist.ProcessGroup | None
 
@@ -73,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # unsplit sizes
         self.group, self.gather_output = group, gather_output
+        self.timeline: Timeline | None = None  # records this layer's collectives while active
         self.full_index = _index(rows, out_features, group, "out_features")
         self.sharded = {"weight": 0, "bias": 0}
         n = self.full_index.numel()
@@ -101,8 +108,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_region(x, self.group), self.weight, self.bias)
-        return gather_from_region(y, self.group) if self.gather_output else y
+        y = F.linear(copy_to_region(x, self.group, self.timeline), self.weight, self.bias)
+        return gather_from_region(y, self.group, self.timeline) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -120,6 +127,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # unsplit sizes
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.timeline: Timeline | None = None  # records this layer's collectives while active
         self.full_index = _index(cols, in_features, group, "in_features")
         self.sharded = {"weight": 1}
         self.weight = nn.Parameter(torch.empty(out_features, self.full_index.numel(), device=device,
@@ -148,8 +156,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_region(x, self.group)
-        y = reduce_from_region(F.linear(x, self.weight), self.group)
+            x = scatter_to_region(x, self.group, self.timeline)
+        y = reduce_from_region(F.linear(x, self.weight), self.group, self.timeline)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -165,6 +173,7 @@ class VocabParallelEmbedding(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.timeline: Timeline | None = None  # records this layer's collectives while active
         self.full_index = _index(None, num_embeddings, group, "vocab_size")
         self.vocab_start = int(self.full_index[0])
         self.vocab_end = self.vocab_start + self.full_index.numel()
@@ -191,7 +200,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_region(out, self.group)
+        return reduce_from_region(out, self.group, self.timeline)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "
@@ -202,18 +211,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy over logits split by vocabulary (Shoeybi et al. 2019, section 3)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx, logits, targets, group, timeline):
         n_local = logits.shape[-1]
         start = group_rank(group) * n_local
         ctx.dtype = logits.dtype
         logits = logits.float()
-        top = all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        top = timed(timeline, "all_reduce max cross_entropy forward", all_reduce, logits.max(dim=-1).values,
+                    group, op=dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
         outside = (targets < start) | (targets >= start + n_local)
         local = (targets - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
-        picked, total = all_reduce(torch.stack([picked, exp.sum(dim=-1)]), group)  # one collective
+        picked, total = timed(timeline, "all_reduce sum cross_entropy forward", all_reduce,
+                              torch.stack([picked, exp.sum(dim=-1)]), group)  # one collective
         softmax = exp.div_(total.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, outside)
         return total.log() - picked
@@ -223,15 +234,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local, outside = ctx.saved_tensors
         out = softmax.clone()
         out.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(out.dtype).unsqueeze(-1))
-        return out.mul_(grad.unsqueeze(-1)).to(ctx.dtype), None, None
+        return out.mul_(grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
-                                 group: Group = None) -> torch.Tensor:
+                                 group: Group = None, timeline: Timeline | None = None) -> torch.Tensor:
     """Mean token cross-entropy of vocabulary-parallel logits (..., vocab / tp) against targets (...);
-    equal to F.cross_entropy over the full logits. Rank r holds the r-th contiguous vocabulary range."""
+    equal to F.cross_entropy over the full logits. Rank r holds the r-th contiguous vocabulary range.
+    `timeline` records its two forward all-reduces (backward runs none)."""
     if local_logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(local_logits.shape)} and targets {tuple(targets.shape)} "
                          "differ before the vocabulary dimension")
-    losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), targets.flatten(), group)
+    timeline = timeline if group_size(group) > 1 else None  # one rank: the all-reduces are copies
+    losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), targets.flatten(), group, timeline)
     return losses.mean().to(local_logits.dtype)

@@ -1,9 +1,10 @@
-"""Chrome-trace timelines: spans on named lanes per rank, and per-module forward/backward spans."""
+"""Chrome-trace timelines: spans on lanes per rank, per-module forward/backward spans, async works' spans."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -71,6 +72,59 @@ class Timeline:
         tmp.write_text(json.dumps(self.to_chrome(), default=str))
         os.replace(tmp, path)
         return path
+
+
+class WorkSpans:
+    """Spans from a start time to the completion of an asynchronous `dist.Work`, timed on one thread
+    per key (e.g. per peer) that only waits and records: it issues no communication.
+
+    gloo's point-to-point Work cannot say when it is done: in torch 2.13 `is_completed()` stayed
+    False through 3 s of polling until `wait()` was called, and `get_future()` raises "Work::getFuture
+    not implemented". With `owns_wait` the thread waits on each work (in the order watched) and the
+    caller must not: a gloo send waited twice hangs until the group's timeout. Without it (backends
+    whose works report completion) the thread polls `is_completed()` and the caller waits as usual.
+    """
+
+    def __init__(self, timeline: Timeline, lane: str, *, owns_wait: bool) -> None:
+        self.timeline, self.lane, self.owns_wait = timeline, lane, owns_wait
+        self._queues: dict[Any, queue.SimpleQueue] = {}  # key -> (work, keep, name, start, args)
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    def watch(self, key: Any, work: Any, name: str, start: float, *, keep: Any = None, **args: Any) -> None:
+        """Record `name` from `start` until `work` completes; `keep` (its tensor) stays alive till then."""
+        if key not in self._queues:
+            self._queues[key] = queue.SimpleQueue()
+            thread = threading.Thread(target=self._run, args=(self._queues[key],), daemon=True,
+                                      name=f"paraloom-work-spans-{key}")
+            thread.start()
+            self._threads.append(thread)
+        self._queues[key].put((work, keep, name, start, args))
+
+    def _run(self, works: queue.SimpleQueue) -> None:
+        while (item := works.get()) is not None:
+            work, _, name, start, args = item
+            try:
+                if self.owns_wait:
+                    work.wait()
+                else:
+                    while not work.is_completed():
+                        time.sleep(1e-4)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by join()
+                self._errors.append(e)
+                return
+            self.timeline.span(name, self.lane, start, self.timeline.now(), **args)
+
+    def join(self) -> None:
+        """Return once every watched work completed and its span is recorded; re-raise a failed wait."""
+        for works in self._queues.values():
+            works.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._queues.clear()
+        self._threads.clear()
+        if self._errors:
+            raise self._errors.pop(0)
 
 
 class _ModuleSpans:
