@@ -137,7 +137,8 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
                 for rate, h in report["hardware"].items()}
     for c in report["configs"]:
         config = c["config"]
-        if "partition_mb" not in config.get("ps", {}):  # recorded before slices: a shard was one message
+        ps_run = config.get("parallel", {}).get("mode") == "ps"
+        if ps_run and "partition_mb" not in config.get("ps", {}):  # recorded before slices: one message
             config = {**config, "ps": {**config.get("ps", {}), "partition_mb": 1e6}}
         what = predictable(Config.from_dict(config), c["workers"])
         e = estimate(profile_model(what.spec, recompute=what.recompute), profiles[c["rate"]], what.plan,

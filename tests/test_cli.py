@@ -22,6 +22,17 @@ from paraloom.cli import main
     (["train", "--set", "bogus"], "must look like section.key=value"),
     (["train", "--bogus"], "No such option"),
     (["nope"], "No such command"),
+    # a setting the run's strategy has no use for is refused, naming both (rules.UNUSED_SETTINGS)
+    (["train", "--set", "parallel.mode=ps", "--set", "comm.sync=local_sgd"],
+     "the parameter_server strategy does not use comm.sync=local_sgd"),
+    (["train", "--set", "parallel.mode=ps", "--set", "guard.nan=false"],
+     "the parameter_server strategy does not use guard.nan=false"),
+    (["train", "--set", "parallel.mode=ps", "--set", "run.device=cuda"], "parameter_server strategy"),
+    (["train", "--set", "parallel.microbatches=4"],
+     "the data_parallel strategy does not use parallel.microbatches=4"),
+    (["train", "--set", "ps.servers=2"], "the data_parallel strategy does not use ps.servers=2"),
+    (["train", "--set", "model.name=gpt", "--set", "data.name=text", "--set", "parallel.tp=2",
+      "--set", "comm.engine=naive"], "the model_parallel strategy does not use comm.engine=naive"),
 ])
 def test_user_errors_are_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -243,6 +243,23 @@ class Config:
                                         engine=self.comm.engine)
         if self.parallel.mode == "ps":
             rules.check_push_compressor(self.comm.compressor)
+        rules.check_strategy_settings(self.strategy, self.changed(), device=self.run.device)
+
+    @property
+    def strategy(self) -> str:
+        """The training strategy these settings ask for (choices.STRATEGIES)."""
+        return rules.strategy_for(mode=self.parallel.mode, tp=self.parallel.tp, pp=self.parallel.pp)
+
+    def changed(self) -> dict[str, Any]:
+        """Every setting that differs from its default, by dotted key."""
+        out = {}
+        for section in dataclasses.fields(self):
+            value = getattr(self, section.name)
+            for key in dataclasses.fields(value):
+                default = key.default if key.default is not dataclasses.MISSING else key.default_factory()
+                if getattr(value, key.name) != default:
+                    out[f"{section.name}.{key.name}"] = getattr(value, key.name)
+        return out
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -83,6 +83,47 @@ def check_push_compressor(compressor: str) -> None:
                         f"choose none or one of: {', '.join(FIXED_SIZE_COMPRESSORS)}")
 
 
+def strategy_for(*, mode: str, tp: int, pp: int) -> str:
+    """The training strategy a run's parallel settings ask for (the one place it is decided)."""
+    if mode == "ps":
+        return "parameter_server"
+    return "model_parallel" if mode == "layers" or tp > 1 or pp > 1 else "data_parallel"
+
+
+_PIPELINE = ("parallel.microbatches", "parallel.schedule", "parallel.balance")
+_PS = ("ps.servers", "ps.consistency", "ps.staleness", "ps.overlap", "ps.partition_mb")
+_ENGINE = ("comm.sync", "comm.shard_optimizer", "comm.engine", "comm.algorithm", "comm.scheduler",
+           "comm.bucket_mb", "comm.first_bucket_mb", "comm.partition_mb", "comm.credit_mb",
+           "comm.local_steps", "comm.local_warmup", "comm.delay_lr")
+UNUSED_SETTINGS = {  # strategy -> settings it has no use for: changing one from its default is refused
+    "data_parallel": (*_PIPELINE, *_PS),
+    "model_parallel": (*_PS, "comm.engine"),  # the naive engine cannot hold back a micro-batch's sync
+    "parameter_server": (*_PIPELINE, *_ENGINE, "guard.nan"),  # servers always drop non-finite pushes
+}
+WHY_UNUSED = {
+    "data_parallel": "it has no pipeline stages and no parameter servers",
+    "model_parallel": "it has no parameter servers, and its data-parallel sync needs the bucketed engine",
+    "parameter_server": "workers push each shard to its server (ps.*), with no all-reduce engine, no "
+                        "pipeline, and non-finite pushes always dropped",
+}
+
+
+def check_strategy_settings(strategy: str, changed: dict[str, object], *, device: str) -> None:
+    """Refuse, before launch, a setting the run's strategy would otherwise ignore.
+
+    `changed`: the settings that differ from their defaults, by dotted key.
+    """
+    unused = [key for key in UNUSED_SETTINGS[strategy] if key in changed]
+    if unused:
+        key, value = unused[0], changed[unused[0]]
+        value = str(value).lower() if isinstance(value, bool) else value  # as the user wrote it
+        raise UserError(f"the {strategy} strategy does not use {key}={value}: {WHY_UNUSED[strategy]}; "
+                        f"leave it at its default")
+    if strategy == "parameter_server" and device == "cuda":
+        raise UserError("the parameter_server strategy (parallel.mode=ps) runs on CPU (gloo) so far; "
+                        "use run.device=cpu")
+
+
 def check_parallel_layout(*, mode: str, tp: int, pp: int, microbatches: int) -> None:
     """parallel.mode against tensor and pipeline parallelism: the combinations that make sense."""
     check_name("parallel.mode", mode, PARALLEL_MODES)

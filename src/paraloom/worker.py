@@ -19,12 +19,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from paraloom.config import CommConfig, Config, RunConfig, load_config
+from paraloom.config import CommConfig, Config, load_config
 from paraloom.errors import UserError
 from paraloom.rundir import new_run_dir
 
 
-def pick_device(run: RunConfig) -> torch.device:
+def pick_device(cfg: Config) -> torch.device:
+    run = cfg.run
+    if cfg.strategy == "parameter_server":  # gloo on CPU only, so far (config refuses run.device=cuda)
+        return torch.device("cpu")
     if run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
@@ -59,16 +62,11 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
 def run(config: dict[str, Any], run_dir: str | None, started_at: float,
         interface: str | None = None) -> dict[str, Any]:
     """Elastic-agent entry: one rank's whole life, process group set up and torn down."""
-    from paraloom.train import train
+    from paraloom.train import train  # the one loop; it picks the strategy (train/strategy.py)
 
     cfg = Config.from_dict(config)
-    if cfg.parallel.mode == "ps":
-        from paraloom.parameter_server.train import train_ps as train
-    elif cfg.parallel.model_parallel:
-        from paraloom.train.hybrid import train_model_parallel as train
-
     torch.set_num_threads(_threads_per_worker())
-    device = pick_device(cfg.run)
+    device = pick_device(cfg)
     init_distributed(cfg.comm, device, interface=interface or cfg.comm.interface)
     try:
         return train(cfg, Path(run_dir) if run_dir else None, device=device, started_at=started_at)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from paraloom.config import OptimConfig
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.models import build_model
-from paraloom.train.trainer import make_optimizer
+from paraloom.train.recipe import make_optimizer
 
 BATCH = 24
 

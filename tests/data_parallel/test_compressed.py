@@ -10,7 +10,7 @@ from dp_reference import reference, setup, steps
 from paraloom.choices import COMPRESSORS as COMPRESSOR_NAMES
 from paraloom.data_parallel import DataParallel
 from paraloom.errors import UserError
-from paraloom.train.trainer import batch_loss
+from paraloom.train.recipe import batch_loss
 
 TINY = 1e-6  # MB: one bucket per parameter tensor
 SCHEDULERS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
@@ -82,7 +82,7 @@ def test_unsupported_combinations_are_refused(kwargs, message):
 def test_dgc_takes_over_sgd_momentum():
     """DGC's momentum correction replaces SGD's momentum; with Adam it runs without momentum."""
     from paraloom.config import CommConfig, OptimConfig
-    from paraloom.train.trainer import dgc_options, make_optimizer
+    from paraloom.train.recipe import dgc_options, make_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     dgc, plain = CommConfig(compressor="dgc"), CommConfig(compressor="topk")

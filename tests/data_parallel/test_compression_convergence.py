@@ -13,7 +13,7 @@ import torch
 from distributed import run_workers
 
 from paraloom.config import load_config
-from paraloom.train.trainer import train
+from paraloom.train import train
 
 EPOCHS = 24
 ADAM = ("none", "fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "powersgd")

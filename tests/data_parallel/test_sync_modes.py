@@ -18,7 +18,8 @@ from paraloom.data import load_dataset
 from paraloom.data_parallel import DataParallel, DistributedOptimizer
 from paraloom.errors import UserError
 from paraloom.models import build_model
-from paraloom.train.trainer import batch_loss, train
+from paraloom.train import train
+from paraloom.train.recipe import batch_loss
 
 STEPS = 10
 N = 100  # training samples used: batches of 24, 24, 24, 24 and a short one of 4 per epoch

@@ -6,8 +6,18 @@ import torch
 from paraloom.choices import FIXED_SIZE_COMPRESSORS
 from paraloom.compress import make_compressor
 from paraloom.errors import UserError
-from paraloom.parameter_server.message import SLOTS, Message, PushCodec, run_token
-from paraloom.parameter_server.train import all_workers_throughput
+from paraloom.parameter_server.message import (
+    DONE,
+    NONFINITE,
+    PULL,
+    PUSH,
+    SLOTS,
+    SNAP,
+    Message,
+    PushCodec,
+    run_token,
+)
+from paraloom.parameter_server.throughput import all_workers_throughput
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
@@ -19,6 +29,14 @@ def test_header_values_survive_in_a_float_or_byte_buffer(dtype):
     message.write_header(1, 2)
     assert message.read_header() == [1, 2, 0, 0]
     assert message.buffer.numel() * message.buffer.element_size() == 16 + 10 * message.body.element_size()
+
+
+def test_request_flags_are_distinct_bits():
+    flags = [PUSH, PULL, DONE, SNAP, NONFINITE]
+    assert SNAP == 8 and all(f & (f - 1) == 0 for f in flags) and len(set(flags)) == len(flags)
+    message = Message(1, torch.float32)
+    message.write_header(SNAP | PUSH | PULL, 7)
+    assert message.read_header()[0] & SNAP and not message.read_header()[0] & NONFINITE
 
 
 def test_uncompressed_pushes_carry_the_gradient_as_it_is():

@@ -6,8 +6,8 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.errors import UserError
-from paraloom.parameter_server.train import train_ps
-from paraloom.train.trainer import train
+from paraloom.train import train
+from paraloom.train.strategies import data_parallel, parameter_server
 
 torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # import torch._dynamo once, before forking
 
@@ -17,24 +17,20 @@ def _cfg(*sets):
 
 
 def _job(rank, world, cfg, ps):
-    fn = train_ps if ps else train
-    summary = fn(cfg, None, device=torch.device("cpu"))
-    return summary
+    return train(cfg, None, device=torch.device("cpu"))
 
 
 def _trained_params(rank, world, cfg, ps):
     """The summary, and the parameters the run evaluates at its end (captured at evaluation)."""
-    import importlib
-
-    module = importlib.import_module("paraloom.parameter_server.train" if ps else "paraloom.train.trainer")
+    module = parameter_server if ps else data_parallel
     captured, original = {}, module.evaluate
 
-    def grab(model, split, groups):
+    def grab(model, split, group):
         captured["params"] = [p.detach().clone() for p in model.parameters()]
-        return original(model, split, groups)
+        return original(model, split, group)
 
     module.evaluate = grab
-    summary = (train_ps if ps else train)(cfg, None, device=torch.device("cpu"))
+    summary = train(cfg, None, device=torch.device("cpu"))
     return summary, captured.get("params")
 
 

@@ -5,7 +5,7 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.sparse.training import schedule_for
-from paraloom.train.trainer import train
+from paraloom.train import train
 
 BASE = ["model.name=mlp", "model.hidden=64", "sparse.sparsity=0.8", "sparse.every=2", "sparse.end_step=8",
         "data.batch_size=64", "run.checkpoint_every=0", "run.log_every=2"]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from distributed import run_workers
 
+from paraloom.comm.objects import broadcast_text
 from paraloom.errors import UserError
 from paraloom.train.checkpoint import (
     agree_on_checkpoint,
-    broadcast_text,
     latest_valid,
     load_checkpoint,
     save_checkpoint,

@@ -1,6 +1,6 @@
 """The model-parallel trainer end to end: every dp x tp x pp grid trains the same model.
 
-A tiny GPT on stdlib text runs through `train_model_parallel` on one rank and on pipeline,
+A tiny GPT on stdlib text runs through the one loop's model-parallel strategy on one rank and on pipeline,
 tensor, layers and hybrid grids; losses must match the single process. Checkpoints resume
 exactly on the same grid, are refused on another, and the summary's accounting is sane.
 """
@@ -17,7 +17,7 @@ from paraloom.config import load_config
 from paraloom.data import ShardedBatches
 from paraloom.errors import UserError
 from paraloom.models import build_model
-from paraloom.train.hybrid import train_model_parallel
+from paraloom.train import train
 
 BASE = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=20000",
         "model.d_model=32", "model.n_heads=4", "model.n_layers=2", "data.batch_size=8",
@@ -33,7 +33,7 @@ def _train(rank, world, overrides, run_dir=None):
     cfg = load_config(None, BASE + list(overrides))
     cfg.validate_world(world)
     # as the launcher does: only rank 0 is given the run directory
-    return train_model_parallel(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
+    return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
 
 
 def _train_or_refuse(rank, world, overrides, run_dir=None):
@@ -45,7 +45,7 @@ def _train_or_refuse(rank, world, overrides, run_dir=None):
 
 
 GRIDS = {  # name: (world size, overrides)
-    "1x1x1": (1, []),
+    "1x1x1": (1, ["parallel.mode=layers"]),  # one rank holding the whole model (the model-parallel strategy)
     "pp2_1f1b_m2": (2, ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"]),
     "tp2": (2, ["parallel.tp=2"]),
     "layers2": (2, ["parallel.mode=layers"]),
@@ -155,6 +155,6 @@ def _epochs_seen(rank, world, overrides):
 def test_each_epoch_has_its_own_order():
     # 62 windows of 16 bytes: 7 full batches of 8 per epoch and a dropped short one; 16 steps
     # are epochs 0 and 1 and two steps of epoch 2, and never epoch 0 twice
-    overrides = ["data.text_bytes=1000", "optim.max_steps=16"]
+    overrides = ["data.text_bytes=1000", "optim.max_steps=16", "parallel.mode=layers"]
     (seen, steps), = run_workers(_epochs_seen, 1, overrides, timeout=60)
     assert steps == 16 and seen == [0, 1, 2]

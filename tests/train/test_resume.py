@@ -16,8 +16,8 @@ from paraloom.config import OptimConfig
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.data_parallel import DataParallel
 from paraloom.models import build_model
-from paraloom.train.resume import capture, restore
-from paraloom.train.trainer import make_optimizer
+from paraloom.train.recipe import make_optimizer
+from paraloom.train.strategies.data_parallel import engine_state, load_engine_state
 
 N, K = 8, 3  # steps in all; the checkpoint is taken after step K
 SAMPLES = 96
@@ -58,17 +58,18 @@ def _resume_equals_straight(rank, world, options):
 
     split, model, engine, optimizer = _build(options)
     _run(engine, model, optimizer, split, batches(0, K))
-    shared, local = capture(model, optimizer, engine, step=K, counters={}, device=torch.device("cpu"))
+    state = engine_state(model, optimizer, engine)
+    shared = state.get("shared")
     blob = io.BytesIO()
-    torch.save({"shared": shared, "local": local}, blob)
+    torch.save({"state": state, "rng": torch.get_rng_state()}, blob)
     engine.close()
 
     torch.manual_seed(1234)  # a restarted process starts from other random states
     split, model, engine, optimizer = _build(options)
     blob.seek(0)
     saved = torch.load(blob, weights_only=True)
-    step, _ = restore(model, optimizer, engine, saved["shared"], saved["local"], torch.device("cpu"))
-    assert step == K
+    load_engine_state(model, optimizer, engine, saved["state"])
+    torch.set_rng_state(saved["rng"])
     _run(engine, model, optimizer, split, batches(K, N))
     engine.finish()
     resumed = [p.detach().clone() for p in model.parameters()]

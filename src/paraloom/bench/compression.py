@@ -132,7 +132,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
     from paraloom.data import ShardedBatches, load_dataset
     from paraloom.data_parallel import DataParallel
     from paraloom.topology import Topology
-    from paraloom.train.trainer import batch_loss, evaluate
+    from paraloom.train.recipe import batch_loss, evaluate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
@@ -220,7 +220,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
                 if not is_ddp:
                     engine.finish()
                 train_s += _max(time.perf_counter() - start)
-                acc = evaluate(model, split, groups)  # outside the timed span
+                acc = evaluate(model, split, groups.dp_group)  # outside the timed span
                 curve.append([steps, train_s, acc])
                 if tta is None and acc >= options["target"]:
                     tta, tta_steps = train_s, steps

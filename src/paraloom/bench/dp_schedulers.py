@@ -26,6 +26,44 @@ def _model(hidden: int, depth: int):
     return MLP((1, 8, 8), 10, hidden=hidden, depth=depth)
 
 
+def _variant(options: dict[str, Any], variant: str, rank: int, traced: bool):
+    """(step function, engine, timeline or None, trace path or None) of one variant, built afresh."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from paraloom.data_parallel import DataParallel, DistributedOptimizer
+
+    torch.manual_seed(0)
+    model = _model(options["hidden"], options["depth"])
+    timeline = trace_path = None
+    if traced and not variant.startswith("ddp"):
+        from paraloom.trace import Timeline, trace_modules
+
+        timeline = Timeline(rank)
+        trace_modules(model, timeline)
+        trace_path = Path(options["trace_dir"]) / variant / f"rank{rank}.json"
+    if variant.startswith("ddp"):
+        engine = DDP(model, bucket_cap_mb=options["bucket_mb"], gradient_as_bucket_view=variant == "ddp_view")
+    else:
+        kwargs = {**ENGINE_KWARGS[variant], **options.get("engine_options", {}).get(variant, {})}
+        engine = DataParallel(model, bucket_mb=options["bucket_mb"], timeline=timeline, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if variant == "priority_drop_in":
+        optimizer = DistributedOptimizer(optimizer, engine)
+
+    def step(x, y):
+        if variant in DROP_IN or variant.startswith("ddp"):  # torch's loop
+            optimizer.zero_grad(set_to_none=variant in DROP_IN)
+            F.cross_entropy(engine(x), y).backward()
+            optimizer.step()
+        else:
+            F.cross_entropy(engine(x), y).backward()
+            engine.step(optimizer)
+
+    return step, engine, timeline, trace_path
+
+
 def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
     """One rank's part: every variant, round after round; returns the median step times.
 
@@ -40,10 +78,8 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paraloom.data import ShardedBatches, load_dataset
-    from paraloom.data_parallel import DataParallel, DistributedOptimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
@@ -90,39 +126,8 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
         samples.setdefault("compute", []).append(timed(local_step))
         samples.setdefault("allreduce", []).append(timed(lambda x, y: dist.all_reduce(grads)))
         for variant in options["variants"]:
-            torch.manual_seed(0)
-            model = _model(options["hidden"], options["depth"])
-            timeline = trace_path = None
-            if options.get("trace_dir") and round_index == options["rounds"] - 1 and \
-                    not variant.startswith("ddp"):
-                from paraloom.trace import Timeline, trace_modules
-
-                timeline = Timeline(rank)
-                trace_modules(model, timeline)
-                trace_path = Path(options["trace_dir"]) / variant / f"rank{rank}.json"
-            if variant.startswith("ddp"):
-                engine = DDP(model, bucket_cap_mb=options["bucket_mb"],
-                             gradient_as_bucket_view=variant == "ddp_view")
-            else:
-                kwargs = {**ENGINE_KWARGS[variant], **options.get("engine_options", {}).get(variant, {})}
-                engine = DataParallel(model, bucket_mb=options["bucket_mb"], timeline=timeline, **kwargs)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            if variant == "priority_drop_in":
-                optimizer = DistributedOptimizer(optimizer, engine)
-
-            def step(x, y, engine=engine, optimizer=optimizer, variant=variant):
-                if variant in DROP_IN:
-                    optimizer.zero_grad()
-                    F.cross_entropy(engine(x), y).backward()
-                    optimizer.step()
-                elif variant.startswith("ddp"):
-                    optimizer.zero_grad(set_to_none=False)
-                    F.cross_entropy(engine(x), y).backward()
-                    optimizer.step()
-                else:
-                    F.cross_entropy(engine(x), y).backward()
-                    engine.step(optimizer)
-
+            traced = bool(options.get("trace_dir")) and round_index == options["rounds"] - 1
+            step, engine, timeline, trace_path = _variant(options, variant, rank, traced)
             finish = None if variant.startswith("ddp") else engine.finish
             samples.setdefault(variant, []).append(timed(step, finish, timeline, trace_path))
             if not variant.startswith("ddp"):

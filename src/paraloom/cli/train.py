@@ -98,11 +98,13 @@ def _check_fault_steps(cfg, world: int) -> None:
 
     from paraloom.config_faults import check_faults, parse_faults
     from paraloom.data import load_dataset
-    from paraloom.train.trainer import planned_steps
+    from paraloom.train.recipe import planned_steps
+    from paraloom.train.strategy import STRATEGIES
 
     data = dataclasses.asdict(cfg.data)
     size = len(load_dataset(data.pop("name"), **data).y_train)
-    check_faults(parse_faults(cfg.run.inject), world, planned_steps(cfg, size))
+    steps = planned_steps(cfg, size, drop_last=STRATEGIES[cfg.strategy].drop_last)
+    check_faults(parse_faults(cfg.run.inject), world, steps)
 
 
 def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None):

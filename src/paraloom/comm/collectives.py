@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,3 +84,20 @@ def private_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise ValueError("scheduler='priority' on a sub-group needs comm_group=: a second group over the "
                          "same ranks, made on every rank with dist.new_group")
     return dist.new_group(ranks=ranks, timeout=default_timeout())
+
+
+class ThenOnWait:
+    """A work whose callbacks run when it is first waited for (a work without a future)."""
+
+    def __init__(self, work: dist.Work, then: Callable[[], None]) -> None:
+        self.work, self.then = work, then
+
+    def wait(self, *args) -> bool:
+        done = self.work.wait(*args)
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()

@@ -23,7 +23,7 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paraloom.comm.algorithms import all_reduce
-from paraloom.comm.collectives import CommStats, private_group
+from paraloom.comm.collectives import CommStats, ThenOnWait, private_group
 from paraloom.comm.executor import CommThread, CreditExecutor, Executor
 from paraloom.comm.policies import CommTask
 from paraloom.comm.schedulers import make_scheduler
@@ -231,7 +231,10 @@ class DataParallel(DDPInterface, nn.Module):
         if self._thread is None:
             work = native()
             if callbacks:
-                work.get_future().add_done_callback(finished)
+                try:
+                    work.get_future().add_done_callback(finished)
+                except RuntimeError:  # gloo's reduce-scatter has no future: run them once waited for
+                    return ThenOnWait(work, finished)
             return work
         if callbacks:
             return self._thread.submit(lambda: (blocking(), finished()))
@@ -383,3 +386,4 @@ class DataParallel(DDPInterface, nn.Module):
 
 
 DataParallel.__init__.__signature__ = ddp_args.SIGNATURE  # help() and inspect show DDP's arguments, then ours
+

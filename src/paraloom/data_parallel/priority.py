@@ -135,7 +135,10 @@ class PriorityUpdater(SyncUpdater):
         return {"steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
+        # The launch plan rests on one step's timings, which are not saved: a resumed run times a
+        # step again and plans anew (the order moves launches, never values). Resuming past the
+        # profiled step without this planned from timings that were never taken (a crash).
+        self.steps = min(int(state["steps"]), PROFILED_STEP - 1)
 
 
 def step_some(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], lrs: list[float]) -> None:

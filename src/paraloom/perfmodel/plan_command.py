@@ -16,6 +16,7 @@ from paraloom.perfmodel.hardware import Hardware, load_hardware
 from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
 from paraloom.perfmodel.profile import profile_model
 from paraloom.perfmodel.strategies import Estimate, Options, estimate
+from paraloom.rules import UNUSED_SETTINGS, strategy_for
 
 GPT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}
 
@@ -137,6 +138,10 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
     }
     if p.servers:
         config["ps"] = {"servers": p.servers, "consistency": p.consistency}
+    strategy = strategy_for(mode=config["parallel"]["mode"], tp=p.tp, pp=p.pp)
+    for key in UNUSED_SETTINGS[strategy]:  # what the plan's strategy does not use is left out
+        section, _, name = key.partition(".")
+        config.get(section, {}).pop(name, None)
     head = [f"# paraloom plan: {p.label()} on {nodes} x {hw.name}",
             f"# predicted {e.step_s * 1e3:.1f} ms/step, {e.samples_per_s:,.1f} samples/s, "
             f"{e.memory_bytes / 2**30:.2f} GiB/device, bottleneck {e.bottleneck}",

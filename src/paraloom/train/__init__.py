@@ -1,5 +1,5 @@
-"""Training: the worker's loop, its metrics and progress display."""
+"""Training: the one loop (loop.py), the strategies it runs (strategy.py, strategies/), and their helpers."""
 
-from paraloom.train.trainer import train
+from paraloom.train.loop import train
 
 __all__ = ["train"]

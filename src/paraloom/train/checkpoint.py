@@ -154,19 +154,3 @@ def load_checkpoint(run_dir: Path, step: int, rank: int,
     local = torch.load(path / f"rank{rank}.pt", map_location=device, weights_only=True)
     return shared, local
 
-
-def broadcast_text(text: str | None, group: dist.ProcessGroup | None = None) -> str | None:
-    """Rank 0's string on every rank, sent as bytes in tensors (nothing is unpickled)."""
-    is_source = dist.get_rank(group) == 0
-    data = text.encode() if is_source and text is not None else b""
-    size = torch.tensor([-1 if is_source and text is None else len(data)], dtype=torch.int64)
-    src = dist.get_global_rank(group or dist.group.WORLD, 0)
-    dist.broadcast(size, src=src, group=group)
-    if size.item() < 0:
-        return None
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if is_source and data:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    if size.item():
-        dist.broadcast(buffer, src=src, group=group)
-    return buffer.numpy().tobytes().decode()

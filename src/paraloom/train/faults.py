@@ -13,15 +13,24 @@ gradients' communication, which starts during backward.
 
 Steps count from 1. kill, hang and nan fire once per run: a restarted or resumed run does not
 repeat them (the run directory records what fired). Several faults join with ';'.
+
+nan and slow act through forward hooks on the rank's model (`during`), so they work alike
+whatever a strategy runs inside a step: one forward, micro-batches through a pipeline stage, or a
+parameter-server worker's forward that waits for its shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from paraloom.config_faults import Fault
 
@@ -35,6 +44,7 @@ class FaultInjector:
         self.once = [f for f in faults if f.kind != "slow" and f.rank == rank and not self._fired(f)]
         self.slow = [f for f in faults if f.kind == "slow"]
         self.compute_seconds: float | None = None  # the last step's forward and backward (`computed`)
+        self.slept = 0.0  # seconds `stretch` slept in the current step
 
     def _marker(self, fault: Fault) -> Path | None:
         if self.run_dir is None:
@@ -90,7 +100,34 @@ class FaultInjector:
         estimate = self.compute_seconds if self.compute_seconds is not None else 3.0 * forward_seconds
         seconds = (factor - 1.0) * estimate
         time.sleep(seconds)
+        self.slept += seconds
         return seconds
+
+    @contextlib.contextmanager
+    def during(self, step: int, model: nn.Module) -> Iterator[None]:
+        """Around 1-based `step`'s forward and backward: NaN outputs of `model` (nan) and a sleep after
+        its first forward (slow), through hooks that are there only in the steps that need them."""
+        self.slept = 0.0
+        poison, slow = self.poison(step), self.slow_factor(step) > 1.0
+        if not (poison or slow):
+            yield
+            return
+        began: list[float] = []
+
+        def before(module: nn.Module, args) -> None:
+            began.append(time.perf_counter())
+
+        def after(module: nn.Module, args, out):
+            if slow and len(began) == 1:  # the step's first forward (a pipeline stage runs several)
+                self.stretch(step, time.perf_counter() - began[0])
+            return out * float("nan") if poison and isinstance(out, torch.Tensor) else out
+
+        handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def computed(self, seconds: float) -> None:
         """Record a step's forward and backward seconds (no waiting, no sleep) for `stretch`."""

@@ -1,4 +1,4 @@
-"""Run-directory output: metrics.jsonl (one line per logged step), optional TensorBoard, JSON files."""
+"""Run-directory output: metrics.jsonl (a line per logged step), optional TensorBoard, JSON files; memory."""
 
 from __future__ import annotations
 
@@ -47,3 +47,17 @@ def save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def memory_mb() -> tuple[float, float]:
+    """(resident, peak resident) memory of this process in MB (Linux /proc; zeros where unavailable)."""
+    found = {"VmRSS:": 0.0, "VmHWM:": 0.0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0] + ":"
+                if key in found:
+                    found[key] = int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found["VmRSS:"], found["VmHWM:"]

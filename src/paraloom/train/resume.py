@@ -1,53 +1,15 @@
-"""What a checkpoint holds for the trainer, and the record of restarts and redone steps.
-
-Shared part (rank 0; only when replicas are identical): model and optimizer. Each rank's part:
-step, counters, RNG states, the engine's communication state, and model and optimizer when the
-sync mode makes replicas differ (local SGD, one-step delay).
-"""
+"""The record of restarts and redone steps: rank 0's last finished step, and every resume's count."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
 
 from paraloom.train.metrics import write_json
 
 PROGRESS = "progress"  # rank 0's last finished step, overwritten in place every step
 RESUMES = "resumes.json"
-
-
-def capture(model: nn.Module, optimizer: torch.optim.Optimizer, engine, *, step: int,
-            counters: dict[str, float], device: torch.device) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, local) checkpoint parts of this rank, between steps."""
-    local: dict[str, Any] = {"step": step, "counters": dict(counters), "engine": engine.comm_state_dict(),
-                             "rng": {"torch": torch.get_rng_state()}}
-    if device.type == "cuda":
-        local["rng"]["cuda"] = torch.cuda.get_rng_state(device)
-    replicas = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    if engine.replicas_identical:
-        return replicas, local
-    local.update(replicas)
-    return {}, local
-
-
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, engine, shared: dict[str, Any] | None,
-            local: dict[str, Any], device: torch.device) -> tuple[int, dict[str, float]]:
-    """Load a checkpoint's parts; returns (step, counters)."""
-    replicas = local if "model" in local else shared
-    if replicas is None or "model" not in replicas:
-        raise RuntimeError("the checkpoint holds no model state")
-    model.load_state_dict(replicas["model"])
-    optimizer.load_state_dict(replicas["optimizer"])
-    engine.load_comm_state_dict(local["engine"])
-    torch.set_rng_state(local["rng"]["torch"].cpu())
-    if device.type == "cuda" and "cuda" in local["rng"]:
-        torch.cuda.set_rng_state(local["rng"]["cuda"].cpu(), device)
-    return int(local["step"]), dict(local["counters"])
 
 
 class ProgressMarker:

@@ -1,0 +1,101 @@
+"""A pipeline's stages as a whole: bounds balanced by measured time, the whole model's state, bubbles.
+
+What a training run needs of its stages beyond one step: stage bounds that every rank agrees on
+(rank 0 profiles, every rank takes its bounds), the whole model's state dict gathered from the
+stages' (piece i of stage s is piece lo_s + i of the model), and the measured bubble.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paraloom.pipeline_parallel.partition import Bounds, balance_by_params, balance_by_time
+from paraloom.pipeline_parallel.schedules import bubble_fraction
+
+
+def profile_pieces(pieces: list[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Forward plus backward seconds of each piece on `sample` (median of `repeats`)."""
+    costs: list[list[float]] = [[] for _ in pieces]
+    for _ in range(repeats):
+        h = sample
+        for i, piece in enumerate(pieces):
+            x = h.detach().requires_grad_(h.is_floating_point())
+            began = time.perf_counter()
+            out = piece(x)
+            out.backward(torch.ones_like(out))
+            costs[i].append(time.perf_counter() - began)
+            h = out.detach()
+    for piece in pieces:
+        piece.zero_grad(set_to_none=True)
+    return [statistics.median(c) for c in costs]
+
+
+def balance(pieces: list[nn.Module], pp: int, *, by: str, sample: torch.Tensor) -> Bounds:
+    """Stage bounds by "params", or by "time" as rank 0 measures it on `sample` (collective then)."""
+    if by == "params" or pp == 1:
+        return balance_by_params(pieces, pp)
+    bounds = torch.zeros(pp, 2, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        bounds[:] = torch.tensor(balance_by_time(profile_pieces(pieces, sample), pp))
+    dist.broadcast(bounds, src=0)
+    return [tuple(b) for b in bounds.tolist()]
+
+
+@torch.no_grad()
+def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: int,
+                  shapes: dict[str, tuple[torch.Size, torch.dtype]], *, sender: bool,
+                  source_of: list[int]) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict on global rank 0 (collective over rank 0 and the senders).
+
+    `stage_state`: this stage's whole (unsplit) state, its pieces counted from 0; `shapes`: the
+    model's keys in order, with shapes and dtypes; `sender`: whether this rank sends its stage
+    (one per stage, `source_of[stage]` its global rank). Tensors go point-to-point in key order.
+    """
+    mine = {}
+    for key, value in stage_state.items():
+        head, _, rest = key.partition(".")
+        mine[f"{int(head) + bounds[stage][0]}.{rest}"] = value
+
+    def stage_of(key: str) -> int:
+        piece = int(key.partition(".")[0])
+        return next(s for s, (lo, hi) in enumerate(bounds) if lo <= piece < hi)
+
+    device = next(iter(stage_state.values())).device
+    if dist.get_rank() == 0:
+        out = {}
+        for key, (shape, dtype) in shapes.items():
+            if stage_of(key) == stage:
+                out[key] = mine[key]
+            else:
+                out[key] = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(out[key], source_of[stage_of(key)])
+        return out
+    if sender:
+        for key in shapes:
+            if stage_of(key) == stage:
+                dist.send(mine[key].contiguous(), 0)
+    return None
+
+
+def bubbles(per_rank: torch.Tensor, pp: int, m: int) -> dict[str, object]:
+    """Bubble figures from every rank's (median step, busy, schedule) seconds, one row per rank."""
+    step, busy, schedule = per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]
+    ran = bool(schedule.max() > 0)
+    return {
+        "step_seconds": float(step.max()),  # a step is done when the slowest rank is
+        "step_seconds_per_rank": step.tolist(),
+        "schedule_seconds_per_rank": schedule.tolist(),  # the pipeline schedule alone
+        # the share of the schedule's time a rank did not compute (the optimizer step excluded)
+        "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for b, s in zip(busy.tolist(), schedule.tolist(),
+                                                                         strict=True)],
+        # the whole pipeline's: idle share of all ranks' time over the slowest rank's schedule time
+        "bubble": 1 - float(busy.mean() / schedule.max()) if ran else 0.0,
+        # the bottleneck stage's (most compute): fill and drain, without the others' load imbalance
+        "bubble_bottleneck": 1 - float(busy.max() / schedule.max()) if ran else 0.0,
+        "bubble_theory": bubble_fraction(pp, m) if pp > 1 else 0.0,
+    }

@@ -1,0 +1,306 @@
+"""The one training loop: what every run does, whatever its parallelism; a Strategy does the rest.
+
+Seeding, the data and its sharding, fault injection, the non-finite guard's bookkeeping, tracing,
+progress, metrics and TensorBoard, evaluation, checkpoints and resume, restart bookkeeping,
+saving the model and the summary live here, once. With a run directory, a run checkpoints every
+`run.checkpoint_every` steps and after its last step, and starts from the newest whole checkpoint
+it finds there (an elastic restart or `--resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraloom.comm.objects import broadcast_text
+from paraloom.config import Config
+from paraloom.config_faults import parse_faults
+from paraloom.data import ShardedBatches, Split, load_dataset
+from paraloom.errors import UserError
+from paraloom.topology import node_count
+from paraloom.trace import Timeline
+from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
+from paraloom.train.faults import FaultInjector
+from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
+from paraloom.train.metrics import MetricsLogger, memory_mb, save_state, write_json
+from paraloom.train.progress import TrainProgress
+from paraloom.train.recipe import planned_steps, steps_per_epoch
+from paraloom.train.resume import PROGRESS, ProgressMarker, read_resumes, record_resume
+from paraloom.train.strategies import StepResult, Strategy
+from paraloom.train.strategy import make_strategy
+
+
+def shared_run_dir(run_dir: Path | None) -> Path | None:
+    """Global rank 0's run directory, on every rank (under torchrun only rank 0 is given it)."""
+    text = broadcast_text(str(run_dir.resolve()) if run_dir is not None and dist.get_rank() == 0 else None)
+    return Path(text) if text is not None else None
+
+
+def load_split(cfg: Config, device: torch.device) -> Split:
+    data_kwargs = dataclasses.asdict(cfg.data)
+    return load_dataset(data_kwargs.pop("name"), **data_kwargs).to(device)
+
+
+def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
+          started_at: float | None = None) -> dict[str, Any]:
+    """Run the whole job on this rank; rank 0 writes the run directory and returns the summary."""
+    started_at = time.time() if started_at is None else started_at
+    torch.manual_seed(cfg.run.seed)
+    run_dir = shared_run_dir(run_dir)
+    if cfg.run.trace and run_dir is None:
+        raise UserError("run.trace=true needs a run directory; give train() one on rank 0")
+    split = load_split(cfg, device)
+    timeline = Timeline(dist.get_rank()) if cfg.run.trace else None
+    strategy = make_strategy(cfg, split, device=device, timeline=timeline)
+    try:
+        loop = Loop(cfg, strategy, split, run_dir, device=device, timeline=timeline, started_at=started_at)
+        return loop.serve() if strategy.serves else loop.run()
+    finally:
+        strategy.close()
+
+
+class Loop:
+    """One rank's run: the step loop and everything around it, for any strategy."""
+
+    def __init__(self, cfg: Config, strategy: Strategy, split: Split, run_dir: Path | None, *,
+                 device: torch.device, timeline: Timeline | None, started_at: float) -> None:
+        self.cfg, self.strategy, self.split, self.run_dir = cfg, strategy, split, run_dir
+        self.device, self.timeline, self.started_at = device, timeline, started_at
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        n_train = len(split.y_train)
+        self.per_epoch = steps_per_epoch(cfg, n_train, drop_last=strategy.drop_last)
+        if self.per_epoch == 0:
+            raise UserError(f"data.batch_size={cfg.data.batch_size} exceeds the {n_train} training samples; "
+                            "lower it")
+        self.total_steps = planned_steps(cfg, n_train, drop_last=strategy.drop_last)
+        self.batches = ShardedBatches(n_train, cfg.data.batch_size, rank=strategy.dp_rank,
+                                      world=strategy.dp_world_size, seed=cfg.run.seed,
+                                      shuffle=cfg.data.shuffle)
+        self.faults = FaultInjector(parse_faults(cfg.run.inject) if cfg.run.inject else [], rank=self.rank,
+                                    world_size=dist.get_world_size(strategy.group), seed=cfg.run.seed,
+                                    run_dir=run_dir)
+        self.step = 0
+        self.counters: dict[str, Any] = {"samples": 0, "comm_bytes": 0, "comm_seconds": 0.0, "skipped": 0,
+                                         "loss": None, "checkpoint_seconds": 0.0}
+        self.epoch_accuracy: list[list[Any]] = []  # [training seconds, test accuracy] after each epoch
+        self.operation = "start"
+        self.resumed = self.resume()
+
+    # ---- checkpoints
+
+    def resume(self) -> int | None:
+        """Load the newest whole checkpoint of the run directory, if any (collective)."""
+        resumed = agree_on_checkpoint(self.run_dir, group=self.strategy.checkpoint_group)
+        if resumed is not None:
+            shared, local = load_checkpoint(self.run_dir, resumed, self.rank, self.device)
+            self.step = int(local.pop("step"))
+            self.counters.update(local.pop("counters", {}))
+            rng = local.pop("rng")
+            self.strategy.load_state_dict({**local, "shared": shared})
+            torch.set_rng_state(rng["torch"].cpu())
+            if self.device.type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
+            if self.is_main:
+                print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}",
+                      file=sys.stderr)
+        self.strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
+        if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():
+            record_resume(self.run_dir, self.step)  # an earlier attempt trained here
+        return resumed
+
+    def saves_after(self, step: int) -> bool:
+        every = self.cfg.run.checkpoint_every
+        return self.run_dir is not None and (step == self.total_steps or bool(every) and step % every == 0)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Write the checkpoint of `step` (collective over the strategy's checkpoint group)."""
+        began = time.perf_counter()
+        shared = state.pop("shared", None)
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        local = {"step": step, "counters": dict(self.counters), "rng": rng, **state}
+        save_checkpoint(self.run_dir, step, local=local, shared=shared if self.is_main else None,
+                        keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group)
+        self.counters["checkpoint_seconds"] += time.perf_counter() - began
+
+    # ---- a serving rank (parameter server)
+
+    def serve(self) -> dict[str, Any]:
+        return self.strategy.serve(self.save)
+
+    # ---- a training rank
+
+    def run(self) -> dict[str, Any]:
+        cfg, strategy = self.cfg, self.strategy
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.run.tensorboard) \
+            if self.is_main and self.run_dir else None
+        self.marker = ProgressMarker(self.run_dir) if self.is_main and self.run_dir else None
+        self.progress = TrainProgress(self.total_steps, enabled=self.is_main)
+        try:
+            strategy.begin()
+            self.logged = (self.step, self.counters["samples"], time.perf_counter())
+            self.loop_start, self.samples_at_start = time.perf_counter(), self.counters["samples"]
+            self.eval_seconds = 0.0
+            while self.step < self.total_steps:
+                epoch = self.step // self.per_epoch
+                self.run_epoch(epoch)
+                if cfg.run.eval_every_epoch and self.step > 0:
+                    self.evaluate_epoch()
+            self.train_seconds = time.perf_counter() - self.loop_start - self.eval_seconds
+            if self.timeline is not None:
+                self.timeline.active = False
+            self.operation = "final synchronization and evaluation"
+            results = strategy.finish()
+        except Exception as exc:
+            if self.world > 1 and is_comm_failure(exc) and \
+                    not isinstance(exc, (PeerFailure, TooManyBadSteps)):
+                raise peer_failure(exc, rank=self.rank, world=self.world, step=self.step + 1,
+                                   operation=self.operation, timeout_s=cfg.comm.timeout_s) from None
+            raise
+        finally:
+            self.progress.close()
+            for closing in (self.logger, self.marker):
+                if closing is not None:
+                    closing.close()
+        return self.summarize(results)
+
+    def run_epoch(self, epoch: int) -> None:
+        """The steps of `epoch` from the current position: a resumed run takes a straight run's batches."""
+        order = itertools.islice(self.batches.epoch(epoch), self.step % self.per_epoch, None)
+        for local_idx, global_count in order:
+            if self.step == self.total_steps:
+                return
+            if self.strategy.drop_last and global_count < self.cfg.data.batch_size:
+                continue  # the short last batch: micro-batches keep one size
+            self.one_step(epoch, local_idx, global_count)
+
+    def one_step(self, epoch: int, local_idx: torch.Tensor, global_count: int) -> None:
+        step, timeline = self.step + 1, self.timeline
+        self.faults.before_step(step)
+        if timeline is not None:  # steps 2 .. 1 + trace_steps (1-based)
+            timeline.active = 1 <= self.step <= self.cfg.run.trace_steps
+            step_start = timeline.now()
+        self.operation = "training step (forward, backward, synchronization, update)"
+        local_idx = local_idx.to(self.device)
+        x, y = self.split.x_train[local_idx], self.split.y_train[local_idx]
+        saving = self.saves_after(step)
+        with self.faults.during(step, self.strategy.model):
+            result = self.strategy.train_step(x, y, global_count, step=step, saving=saving)
+        self.faults.computed(result.compute_seconds - self.faults.slept)
+        self.step = step
+        self.guard(result)
+        if timeline is not None:
+            timeline.span(f"step {step}", "step", step_start, timeline.now())
+        if self.marker is not None:
+            self.marker.mark(step)
+        self.counters["samples"] += global_count
+        if step % self.cfg.run.log_every == 0 or step == self.total_steps:
+            self.operation = "metrics reduction"
+            self.log(epoch, result, global_count)
+        if saving:
+            self.operation = "checkpoint"
+            self.save(step, self.strategy.state_dict())
+        done = self.counters["samples"] - self.samples_at_start
+        self.progress.update(step, loss=self.counters["loss"], epoch=epoch,
+                             samples_per_s=done / max(time.perf_counter() - self.loop_start, 1e-9))
+
+    def guard(self, result: StepResult) -> None:
+        """Count a skipped step; stop after guard.max_bad_steps in a row."""
+        if result.stepped:
+            self.bad_in_row = 0
+            return
+        self.bad_in_row = getattr(self, "bad_in_row", 0) + 1
+        self.counters["skipped"] += 1
+        if self.is_main:
+            print(f"paraloom: warning: step {self.step} skipped: non-finite gradients", file=sys.stderr)
+        limit = self.cfg.guard.max_bad_steps
+        if self.bad_in_row >= limit:
+            where = self.run_dir / "checkpoints" if self.run_dir else "nowhere (no run directory)"
+            raise TooManyBadSteps(f"{self.bad_in_row} steps in a row (up to step {self.step}) had NaN or Inf "
+                                  f"gradients; stopping (guard.max_bad_steps={limit}). The last good "
+                                  f"checkpoint is the newest in {where}")
+
+    def log(self, epoch: int, result: StepResult, global_count: int) -> None:
+        """One metrics line (collective over the strategy's group: the loss, every rank's memory)."""
+        strategy = self.strategy
+        self.counters["loss"] = strategy.loss_value(result, global_count)
+        rss = self.gather(memory_mb()[0])
+        comm_bytes, comm_seconds = strategy.take_comm()
+        self.counters["comm_bytes"] += comm_bytes
+        self.counters["comm_seconds"] += comm_seconds
+        step, now = self.step, time.perf_counter()
+        logged_step, logged_samples, logged_at = self.logged
+        steps_since = step - logged_step
+        rate = (self.counters["samples"] - logged_samples) / max(now - logged_at, 1e-9)
+        if self.logger is not None:
+            self.logger.log({"step": step, "epoch": epoch, "loss": self.counters["loss"],
+                             "lr": strategy.learning_rate(), "samples_per_s": rate,
+                             "comm_bytes": comm_bytes / steps_since,
+                             "comm_seconds": comm_seconds / steps_since,
+                             "skipped_steps": self.counters["skipped"],
+                             "rss_mb": [round(r, 1) for r in rss], **strategy.metrics()})
+        self.logged = (step, self.counters["samples"], now)
+
+    def gather(self, value: float) -> list[float]:
+        """`value` of every rank of the strategy's group, in rank order (collective)."""
+        mine = torch.tensor([value], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.strategy.group))]
+        dist.all_gather(every, mine, group=self.strategy.group)
+        return [float(v) for v in every]
+
+    def evaluate_epoch(self) -> None:
+        self.operation = "evaluation"
+        began = time.perf_counter()
+        value = self.strategy.epoch_end()
+        if value is not None:
+            self.epoch_accuracy.append([began - self.loop_start - self.eval_seconds, value])
+        self.eval_seconds += time.perf_counter() - began
+
+    # ---- the end
+
+    def summarize(self, results: dict[str, Any]) -> dict[str, Any]:
+        """The summary (rank 0 writes it), the trace files and the saved model."""
+        cfg, strategy, counters, step = self.cfg, self.strategy, self.counters, self.step
+        comm_bytes, comm_seconds = strategy.take_comm()
+        counters["comm_bytes"] += comm_bytes
+        counters["comm_seconds"] += comm_seconds
+        epochs = [[seconds, value() if callable(value) else value]
+                  for seconds, value in self.epoch_accuracy]
+        resumes = read_resumes(self.run_dir)
+        summary = {
+            **results,
+            "final_loss": counters["loss"], "steps": step, "epochs": cfg.optim.epochs,
+            "samples": counters["samples"], "world_size": self.world,
+            "nodes": node_count(self.world),  # hosts or emulated nodes: which link the run used
+            "wall_seconds": time.time() - self.started_at, "train_seconds": self.train_seconds,
+            "samples_per_second": ((counters["samples"] - self.samples_at_start) / self.train_seconds
+                                   if self.train_seconds > 0 else 0.0),  # of this process's part of the run
+            "comm_bytes_per_step": counters["comm_bytes"] / max(step, 1),
+            "comm_seconds_per_step": counters["comm_seconds"] / max(step, 1),
+            "skipped_steps": counters["skipped"], "checkpoint_seconds": counters["checkpoint_seconds"],
+            "epoch_accuracy": epochs,
+            "restarts": resumes["restarts"], "steps_redone": resumes["steps_redone"],
+            "rss_peak_mb_per_rank": self.gather(memory_mb()[1]),
+            "device": str(self.device), "backend": dist.get_backend(),
+        }
+        summary.update(strategy.summary())
+        if self.timeline is not None:
+            trace_dir = self.run_dir / "trace"
+            self.timeline.write(trace_dir / f"rank{self.rank}.json")  # every rank writes its own
+            summary["trace_dir"] = str(trace_dir)
+        model = strategy.full_state_dict() if cfg.run.save_model and self.run_dir is not None else None
+        if self.is_main and self.run_dir is not None:
+            if model is not None:
+                save_state(self.run_dir / "model.pt", model)
+            write_json(self.run_dir / "summary.json", summary)
+        return summary
+

@@ -1,0 +1,104 @@
+"""What a strategy is: the base class every strategy extends, and what one step returns.
+
+A strategy holds only what differs between kinds of parallelism: placing the model on this rank's
+groups (its constructor, `Strategy(cfg, split, device=, timeline=)`, after the loop has seeded
+torch), one training step, evaluation, its checkpoint state and its summary fields; the loop
+(train/loop.py) does the rest. The implementations live here, beside the loop, rather than in the
+packages of their parallelism: they speak the loop's language (steps, checkpoint state, summary
+fields, the recipe of optimizer and loss), which engines, schedules and servers know nothing of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class StepResult(NamedTuple):
+    stepped: bool  # False: the non-finite guard skipped the update (alike on every rank)
+    loss: torch.Tensor | None  # this rank's share of the batch loss, for `Strategy.loss_value`
+    compute_seconds: float  # forward and backward computation of this rank, waits excluded
+
+
+class Strategy:
+    """One kind of parallelism; a subclass sets the attributes and the methods that raise."""
+
+    model: nn.Module  # this rank's part of the model, unwrapped: what traces and faults hook
+    group: dist.ProcessGroup | None = None  # the ranks that run the loop: metrics, evaluation
+    checkpoint_group: dist.ProcessGroup | None = None  # every rank of the run: checkpoints
+    dp_rank: int  # this rank's shard of every global batch, out of `dp_world_size`
+    dp_world_size: int
+    drop_last = False  # True: an epoch's short last batch is skipped (fixed micro-batch shapes)
+    serves = False  # True on a rank that serves the others (a parameter server), taking no step
+
+    def begin(self) -> None:
+        """After any resume, before the first step."""
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
+                   saving: bool) -> StepResult:
+        """Forward, backward, sync and update of 1-based `step` on this rank's shard `x`, `y` of a
+        global batch of `global_count` samples; `saving`: a checkpoint follows it."""
+        raise NotImplementedError
+
+    def loss_value(self, result: StepResult, global_count: int) -> float:
+        """The step's mean loss (a collective over `group` where needed)."""
+        raise NotImplementedError
+
+    def take_comm(self) -> tuple[int, float]:
+        """(bytes, seconds) of training communication since the last call."""
+        raise NotImplementedError
+
+    def learning_rate(self) -> float:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, Any]:
+        """This strategy's own fields of a metrics line."""
+        return {}
+
+    def epoch_end(self) -> float | Callable[[], float] | None:
+        """run.eval_every_epoch: test accuracy now, or a callable that gives it after training."""
+        return None
+
+    def finish(self) -> dict[str, Any]:
+        """After the last step: land every update, evaluate; {"test_accuracy": ..., ...}."""
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on global rank 0 (collective), None elsewhere."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's checkpoint state; a key "shared" holds state equal on every rank (written once)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        """Summary fields (collective over `group`); they override the loop's."""
+        return {}
+
+    def serve(self, save: Callable[[int, dict[str, Any]], None]) -> dict[str, Any]:
+        """A serving rank's whole run; `save(step, state)` writes a checkpoint (collective)."""
+        raise RuntimeError(f"{type(self).__name__} has no serving ranks")
+
+    def close(self) -> None:
+        pass
+
+
+class EngineStrategy(Strategy):
+    """A strategy that syncs through the data-parallel engine (`engine`, `stats`, `optimizer`)."""
+
+    def take_comm(self) -> tuple[int, float]:
+        comm = self.stats.take()
+        return comm.bytes, comm.seconds
+
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def close(self) -> None:
+        self.engine.close()

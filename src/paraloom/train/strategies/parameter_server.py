@@ -1,0 +1,226 @@
+"""Parameter-server training: the first ranks are workers, the last `ps.servers` ranks are servers.
+
+Every rank builds the model from the same seed; server i keeps shard i of the flattened
+parameters and runs the optimizer on it. Workers pull all shards, compute on their slice of the
+global batch, push all shards' gradients (compressed with a fixed-size comm.compressor, if
+asked). A request carries a token rank 0 drew for this attempt; servers refuse any other.
+
+A checkpoint is a consistent cut: the pushes of its step carry a snapshot mark, the servers hold
+those pushes' replies until every worker's marked push has arrived at every slice -- so each
+worker's pushes applied equal its clock -- then every rank writes its part (servers: slices,
+optimizer state, clocks, versions; workers: their client state, and through the loop their RNG
+and data position). Non-finite pushes are dropped by the servers and counted, never applied.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraloom.comm.collectives import default_timeout
+from paraloom.comm.objects import gather_json
+from paraloom.config import Config
+from paraloom.data import Split
+from paraloom.errors import UserError
+from paraloom.parameter_server.consistency import staleness_bound
+from paraloom.parameter_server.message import PushCodec
+from paraloom.parameter_server.server import ParameterServer, serve
+from paraloom.parameter_server.shard import flatten_model, slice_layout
+from paraloom.parameter_server.throughput import all_workers_throughput
+from paraloom.parameter_server.worker import PSClient
+from paraloom.trace import Timeline, trace_modules
+from paraloom.train.recipe import (
+    batch_loss,
+    dgc_options,
+    evaluate,
+    local_accuracy,
+    make_model,
+    make_optimizer,
+)
+from paraloom.train.strategies import StepResult, Strategy
+
+
+def draw_token() -> int:
+    """A 31-bit token drawn by rank 0 for this attempt, on every rank (collective)."""
+    token = torch.tensor([int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF], dtype=torch.int64)
+    dist.broadcast(token, src=0)
+    return int(token)
+
+
+class ParameterServerStrategy(Strategy):
+    """Workers push gradients to and pull parameters from sharded servers (BSP, ASP or SSP)."""
+
+
+    def __init__(self, cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> None:
+        if device.type != "cpu":
+            raise UserError("the parameter_server strategy (parallel.mode=ps) runs on CPU (gloo) so far; "
+                            "use run.device=cpu")
+        self.cfg, self.split = cfg, split
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.n_servers = cfg.ps.servers
+        self.n_workers = world - self.n_servers
+        if self.n_workers < 1:
+            raise UserError(f"{world} processes cannot hold {self.n_servers} servers and a worker")
+        self.serves = rank >= self.n_workers
+        self.group = dist.new_group(list(range(self.n_workers)), timeout=default_timeout())  # the workers
+        # checkpoints' barriers run beside the point-to-point traffic: on a group of their own
+        self.checkpoint_group = dist.new_group(list(range(world)), timeout=default_timeout())
+        self.dp_rank, self.dp_world_size = min(rank, self.n_workers - 1), self.n_workers
+        self.model = make_model(cfg, split)
+        n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        layout = slice_layout(n_params, self.n_servers, max(1, int(cfg.ps.partition_mb * 2**20 / 4)))  # fp32
+        self.bounds = [(lo, hi) for _, lo, hi in layout]
+        servers = [self.n_workers + server for server, _, _ in layout]  # the rank owning each slice
+        token = draw_token()
+        options = {**cfg.comm.compressor_options(), **(dgc_options(cfg.comm, cfg.optim) or {})}
+        compressor = None if cfg.comm.compressor == "none" else cfg.comm.compressor
+        codecs = [PushCodec(hi - lo, compressor, options) for lo, hi in self.bounds]
+        if self.serves:
+            flat, _ = flatten_model(self.model)
+            mine = [i for i, owner in enumerate(servers) if owner == rank]
+            self.slices = [ParameterServer(
+                flat[self.bounds[i][0]:self.bounds[i][1]],
+                lambda params: make_optimizer(cfg.optim, params, cfg.comm),
+                workers=list(range(self.n_workers)),
+                bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
+                average=cfg.ps.consistency == "bsp", token=token, codec=codecs[i], slot=slot)
+                for slot, i in enumerate(mine)]
+            return
+        if timeline is not None:
+            trace_modules(self.model, timeline)
+        self.client = PSClient(self.model, servers, bounds=self.bounds, token=token, codecs=codecs)
+        self.snapshots: list[torch.Tensor] = []  # worker 0: parameters after each epoch, scored at the end
+        self.taken = (0, 0.0)  # wire bytes and wait seconds already reported by take_comm
+        self.rows = [(time.time(), 0.0)]  # (wall clock, samples) at the start and after each step
+
+    # ---- a server
+
+    def serve(self, save: Callable[[int, dict[str, Any]], None]) -> dict[str, Any]:
+        """Serve until every worker is done; a snapshot of every slice is a checkpoint of its clock."""
+        stats = serve(self.slices, on_snapshot=lambda clock, states: save(clock, {"slices": states}))
+        gather_json({"server": dist.get_rank() - self.n_workers, **stats}, self.checkpoint_group)
+        return {"server": dist.get_rank() - self.n_workers, **stats}
+
+    # ---- a worker
+
+    def begin(self) -> None:
+        client = self.client
+        waited = client.wait_seconds
+        client.pull()  # the parameters to start from; waits for every server to be up
+        if self.cfg.ps.overlap:
+            client.attach(self.model)
+        self.startup_wait = client.wait_seconds - waited  # servers starting: not training
+        self.taken = (client.wire_bytes, client.wait_seconds)
+        self.rows = [(time.time(), 0.0)]
+        self.cpu_start, self.samples = time.process_time(), 0
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
+                   saving: bool) -> StepResult:
+        client = self.client
+        if saving:
+            client.mark_snapshot()
+        began, waited = time.perf_counter(), client.wait_seconds
+        loss, loss_sum = batch_loss(self.model, x, y, global_count=global_count, dp_world_size=self.n_workers)
+        loss.backward()  # with overlap, each slice's push leaves from here
+        computed = time.perf_counter() - began - (client.wait_seconds - waited)  # waiting is not computing
+        client.push()
+        if not self.cfg.ps.overlap and not saving:  # else forward loads each slice when it first needs it
+            client.pull()  # the parameters of the next step, as the consistency rule allows
+        # (a marked push's replies wait for the checkpoint, which the loop writes after this step)
+        self.rows.append((time.time(), float(len(x))))
+        self.count, self.samples = len(x), self.samples + global_count
+        return StepResult(client.last_push_finite, loss_sum, computed)
+
+    def loss_value(self, result: StepResult, global_count: int) -> float:
+        return float(result.loss) / max(1, self.count)  # this worker's slice of the batch
+
+    def take_comm(self) -> tuple[int, float]:
+        if self.serves:
+            return 0, 0.0
+        now = (self.client.wire_bytes, self.client.wait_seconds)
+        taken, self.taken = self.taken, now
+        return now[0] - taken[0], now[1] - taken[1]
+
+    def learning_rate(self) -> float:
+        return self.cfg.optim.lr  # the servers' optimizers run at optim.lr
+
+    def metrics(self) -> dict[str, Any]:
+        client = self.client
+        row = {"wait_seconds": client.wait_seconds, "wire_bytes": client.wire_bytes,
+               "read_staleness": dict(sorted(client.read_staleness.items()))}
+        client.read_staleness.clear()  # a histogram per logged interval
+        return row
+
+    def epoch_end(self) -> Callable[[], float] | None:
+        """Worker 0 keeps the parameters and scores them after training, so that no worker pauses
+        (under ASP the others would not)."""
+        if dist.get_rank() != 0:
+            return None
+        self.client.settle()  # this epoch's last replies, waited for as training time
+        flat = self.client.flat.clone()
+        return lambda: self._accuracy_of(flat)
+
+    @torch.no_grad()
+    def _accuracy_of(self, flat: torch.Tensor) -> float:
+        final = self.client.flat.clone()
+        self.client.flat.copy_(flat)
+        accuracy = local_accuracy(self.model, self.split)
+        self.client.flat.copy_(final)
+        return accuracy
+
+    def finish(self) -> dict[str, Any]:
+        client = self.client
+        cpu_seconds = time.process_time() - self.cpu_start
+        client.settle()
+        dist.barrier(group=self.group)  # every worker's last push is applied: read the final state
+        client.pull(fresh=True)
+        client.close()
+        accuracy = evaluate(self.model, self.split, self.group)
+        waits = [torch.zeros(3, dtype=torch.float64) for _ in range(self.n_workers)]
+        dist.all_gather(waits, torch.tensor([client.wait_seconds, cpu_seconds, client.pushes_sent],
+                                            dtype=torch.float64), group=self.group)
+        rows = [torch.zeros(len(self.rows), 2, dtype=torch.float64) for _ in range(self.n_workers)]
+        dist.all_gather(rows, torch.tensor(self.rows, dtype=torch.float64), group=self.group)
+        self.waits, self.throughput = waits, all_workers_throughput(rows)
+        return {"test_accuracy": accuracy}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.model.state_dict() if dist.get_rank() == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"client": self.client.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.serves:
+            for piece, saved in zip(self.slices, state["slices"], strict=True):
+                piece.load_state_dict(saved)
+        else:
+            self.client.load_state_dict(state["client"])
+
+    def summary(self) -> dict[str, Any]:
+        client, steps = self.client, max(self.client.clock, 1)
+        servers = sorted(gather_json(None, self.checkpoint_group), key=lambda s: s["server"])
+        return {
+            "workers": self.n_workers, "servers": self.n_servers,
+            "consistency": self.cfg.ps.consistency, "staleness_bound": self.cfg.ps.staleness,
+            "samples_per_second": self.throughput,  # all workers together (see all_workers_throughput)
+            "worker0_samples_per_second": self.samples / max(self.rows[-1][0] - self.rows[0][0], 1e-9),
+            "wait_seconds_per_worker": [float(w[0]) for w in self.waits],
+            "cpu_seconds_per_worker": [float(w[1]) for w in self.waits],
+            "pushes_sent_per_worker": [int(w[2]) for w in self.waits],
+            "startup_wait_seconds": self.startup_wait,  # worker 0's first read (servers starting)
+            "comm_bytes_per_step": client.wire_bytes / steps + 4.0 * sum(hi - lo for lo, hi in self.bounds),
+            "push_bytes_per_step": client.wire_bytes / steps,  # per worker, headers included
+            "comm_seconds_per_step": client.wait_seconds / steps,
+            "servers_stats": servers,
+            "pushes_dropped": sum(s.get("dropped", 0) for s in servers),
+        }
+
+    def close(self) -> None:
+        if not self.serves:
+            self.client.detach()

@@ -1,0 +1,26 @@
+"""The strategy registry: the one place a run's strategy is picked (`rules.strategy_for` decides which)."""
+
+from __future__ import annotations
+
+import torch
+
+from paraloom.config import Config
+from paraloom.data import Split
+from paraloom.rules import strategy_for
+from paraloom.trace import Timeline
+from paraloom.train.strategies import Strategy
+from paraloom.train.strategies.data_parallel import DataParallelStrategy
+from paraloom.train.strategies.model_parallel import ModelParallelStrategy
+from paraloom.train.strategies.parameter_server import ParameterServerStrategy
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    "data_parallel": DataParallelStrategy,
+    "model_parallel": ModelParallelStrategy,
+    "parameter_server": ParameterServerStrategy,
+}
+
+
+def make_strategy(cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> Strategy:
+    """The strategy the config asks for (parallel.mode, tp, pp), placed on this rank."""
+    name = strategy_for(mode=cfg.parallel.mode, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    return STRATEGIES[name](cfg, split, device=device, timeline=timeline)
