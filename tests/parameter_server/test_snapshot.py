@@ -191,16 +191,18 @@ def test_workers_marking_different_steps_are_told():
 
 @pytest.mark.parametrize("workers,servers,compressor,options,optim,overlap,slice_elements", [
     (2, 1, None, None, "sgd", False, 10**9),
+    (3, 1, None, None, "adam", False, 10**9),  # rank 0 slow: pushes arrive out of worker order
+    (4, 2, None, None, "sgd", True, 15),
     (2, 2, "topk", {"density": 0.25}, "adam", True, 15),  # error-feedback memory; Adam's step counts
     (2, 1, "dgc", {"density": 0.25, "momentum": 0.9}, "sgd", False, 20),  # DGC's momenta and sampler
 ])
 def test_bsp_resumes_bitwise_from_a_snapshot(workers, servers, compressor, options, optim, overlap,
                                              slice_elements):
-    """Two workers: a server sums a clock's pushes in the order they arrive, and with three or more
-    that order (timing) moves the last bits even between two uninterrupted runs."""
+    """Bitwise for any number of workers: a server sums a clock's pushes in worker order, not in the
+    order they arrive (which, with three or more, once moved the last bits from run to run)."""
     steps, snap_at = 8, 3
     run = dict(steps=steps, compressor=compressor, options=options, optim=optim, overlap=overlap,
-               slice_elements=slice_elements)
+               slice_elements=slice_elements, slow_rank=0 if workers > 2 else None)
     whole, whole_servers = _run(workers, servers, snap_at=snap_at, **run)
     plain, _ = _run(workers, servers, **run)
     for (flat, *_), (reference, *_) in zip(whole, plain, strict=True):

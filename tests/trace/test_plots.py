@@ -53,3 +53,14 @@ def test_metrics_png(tmp_path, is_png):
     metrics.write_text("")
     with pytest.raises(UserError, match="holds no rows"):
         render_metrics(metrics, tmp_path / "m.png")
+
+
+def test_pipeline_and_tensor_parallel_spans_are_drawn_as_compute_and_communication(tmp_path):
+    timeline = Timeline(0)
+    timeline.active = True
+    for name, lane in (("F0", "compute"), ("B12", "compute"), ("send F0 to stage 1", "p2p"),
+                       ("all_reduce g forward", "tp"), ("Fancy", "compute"), ("step 2", "step")):
+        timeline.span(name, lane, 0.0, 0.001)
+    kinds = {s.name: s.kind for s in load_spans([timeline.write(tmp_path / "rank0.json")])}
+    assert kinds == {"F0": "forward", "B12": "backward", "send F0 to stage 1": "comm",
+                     "all_reduce g forward": "comm", "Fancy": "other", "step 2": "step"}

@@ -158,3 +158,21 @@ def test_each_epoch_has_its_own_order():
     overrides = ["data.text_bytes=1000", "optim.max_steps=16", "parallel.mode=layers"]
     (seen, steps), = run_workers(_epochs_seen, 1, overrides, timeout=60)
     assert steps == 16 and seen == [0, 1, 2]
+
+
+def _stopped_by_the_guard(rank, world, overrides):
+    from paraloom.train.guards import TooManyBadSteps
+
+    try:
+        _train(rank, world, overrides)
+    except TooManyBadSteps as exc:
+        return str(exc)
+    return None
+
+
+def test_non_finite_steps_in_a_row_stop_every_rank_of_the_grid():
+    """NaN on stage 0 at step 1 and on stage 1 at step 2: both steps are skipped on both stages,
+    and guard.max_bad_steps=2 stops both ranks alike."""
+    overrides = [*CKPT[:2], "run.inject=nan:rank=0,step=1; nan:rank=1,step=2", "guard.max_bad_steps=2"]
+    for message in run_workers(_stopped_by_the_guard, 2, overrides, timeout=60):
+        assert message is not None and "2 steps in a row (up to step 2)" in message

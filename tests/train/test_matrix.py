@@ -154,3 +154,26 @@ def test_every_feature_under_every_strategy(name, killed_runs, tmp_path):
         applied = sum(s["pushes_applied"] + s["dropped"] for s in killed["servers_stats"])
         assert applied == sent
         assert abs(killed["test_accuracy"] - main["test_accuracy"]) <= 0.01
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_pipeline_stage_is_named_within_the_timeout(tmp_path):
+    sets = [arg for s in [*GPT, *PP, "comm.timeout_s=5", "run.max_restarts=0", f"run.out_dir={tmp_path}",
+                          "run.name=hang"] for arg in ("--set", s)]
+    cmd = [sys.executable, "-m", "paraloom", "train", *sets, "--inject", "hang:rank=1,step=3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PARALOOM_TEST_TAG=TAG))
+    assert done.returncode != 0
+    assert "rank 1 stopped answering" in done.stderr and "step 3" in done.stderr, done.stderr[-2000:]
+
+
+def _step_seconds(rank, world, inject):
+    cfg = load_config(None, [*GPT, *PP, "optim.max_steps=8", "run.checkpoint_every=0", "run.save_model=false",
+                             *([f"run.inject={inject}"] if inject else [])])
+    return train(cfg, None, device=torch.device("cpu"))["step_seconds"]
+
+
+def test_a_slow_pipeline_stage_slows_every_step():
+    plain = run_workers(_step_seconds, 2, None, timeout=60)[0]
+    slow = run_workers(_step_seconds, 2, "slow:rank=1,factor=4", timeout=60)[0]
+    assert slow > 2 * plain, (slow, plain)  # stage 1 computes 4x as long; stage 0 waits for it

@@ -112,6 +112,16 @@ class ParameterServer:
         self.busy_seconds += time.perf_counter() - began
         return leaving
 
+    def in_turn(self, src: int, message: Message) -> bool:
+        """Whether a request may be handled now. BSP sums a clock's pushes in worker order, whatever
+        order they arrive in: a float sum of three or more depends on its order, and arrival order
+        made two runs differ in the last bits. A push that comes early waits, unread, in its
+        receive buffer (no copy) until every lower worker's push of its clock is in."""
+        flags, clock, _, token = message.read_header()
+        if not (self.average and flags & PUSH) or token != self.token:
+            return True
+        return all(self.clocks[w] >= clock for w in self.workers if w < src)
+
     def answer(self) -> None:
         """Reply to every pending read the consistency rule now allows."""
         began = time.perf_counter()
@@ -243,19 +253,27 @@ def serve(slices: list[ParameterServer],
     inbox = Inbox([s.codec for s in slices], slices[0].workers, slices[0].token)
     active = len(slices) * len(slices[0].workers)
     gathering = False  # some SNAP push is in: look for the last one after each request
+    early: list[tuple[int, int, Message]] = []  # BSP pushes that came before their turn (`in_turn`)
     while active:
-        src, slot, message = inbox.next()
-        active -= slices[slot].handle(src, message)
-        inbox.release(src, slot)  # the next request's receive is posted before the replies go out
-        slices[slot].answer()
-        gathering = gathering or bool(slices[slot].marked)
-        if gathering and (clock := _snapshot_clock(slices)) is not None:
-            if on_snapshot is not None:
-                on_snapshot(clock, [s.state_dict() for s in slices])
-            for piece in slices:
-                piece.release_held()
-                piece.answer()
-            gathering = False
+        ready = [inbox.next()]
+        while ready:
+            src, slot, message = ready.pop()
+            if not slices[slot].in_turn(src, message):
+                early.append((src, slot, message))
+                continue
+            active -= slices[slot].handle(src, message)
+            inbox.release(src, slot)  # the next request's receive is posted before the replies go out
+            slices[slot].answer()
+            gathering = gathering or bool(slices[slot].marked)
+            if gathering and (clock := _snapshot_clock(slices)) is not None:
+                if on_snapshot is not None:
+                    on_snapshot(clock, [s.state_dict() for s in slices])
+                for piece in slices:
+                    piece.release_held()
+                    piece.answer()
+                gathering = False
+            ready += [e for e in early if slices[e[1]].in_turn(e[0], e[2])]
+            early = [e for e in early if e not in ready]
     for piece in slices:
         piece.finish()
     return {"slices": len(slices),

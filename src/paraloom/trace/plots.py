@@ -31,6 +31,10 @@ class _Span:
         head = self.name.split(" ", 1)[0]
         if self.lane == "compute" and head in ("forward", "backward"):
             return head
+        if self.lane == "compute" and head[:1] in ("F", "B") and head[1:].isdigit():  # a pipeline stage's
+            return "forward" if head[0] == "F" else "backward"
+        if self.lane in ("p2p", "tp"):  # pipeline sends and waits, tensor-parallel collectives
+            return "comm"
         return self.lane if self.lane in ("comm", "step") else "other"
 
 

@@ -91,7 +91,7 @@ class Loop:
         self.counters: dict[str, Any] = {"samples": 0, "comm_bytes": 0, "comm_seconds": 0.0, "skipped": 0,
                                          "loss": None, "checkpoint_seconds": 0.0}
         self.epoch_accuracy: list[list[Any]] = []  # [training seconds, test accuracy] after each epoch
-        self.operation = "start"
+        self.operation, self.bad_in_row = "start", 0
         self.resumed = self.resume()
 
     # ---- checkpoints
@@ -218,7 +218,7 @@ class Loop:
         if result.stepped:
             self.bad_in_row = 0
             return
-        self.bad_in_row = getattr(self, "bad_in_row", 0) + 1
+        self.bad_in_row += 1
         self.counters["skipped"] += 1
         if self.is_main:
             print(f"paraloom: warning: step {self.step} skipped: non-finite gradients", file=sys.stderr)

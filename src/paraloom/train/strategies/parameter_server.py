@@ -55,11 +55,9 @@ def draw_token() -> int:
 class ParameterServerStrategy(Strategy):
     """Workers push gradients to and pull parameters from sharded servers (BSP, ASP or SSP)."""
 
-
     def __init__(self, cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> None:
-        if device.type != "cpu":
-            raise UserError("the parameter_server strategy (parallel.mode=ps) runs on CPU (gloo) so far; "
-                            "use run.device=cpu")
+        if device.type != "cpu":  # config refuses run.device=cuda and the worker picks the CPU
+            raise UserError("the parameter_server strategy runs on CPU (gloo) so far; use run.device=cpu")
         self.cfg, self.split = cfg, split
         rank, world = dist.get_rank(), dist.get_world_size()
         self.n_servers = cfg.ps.servers
@@ -94,7 +92,6 @@ class ParameterServerStrategy(Strategy):
         if timeline is not None:
             trace_modules(self.model, timeline)
         self.client = PSClient(self.model, servers, bounds=self.bounds, token=token, codecs=codecs)
-        self.snapshots: list[torch.Tensor] = []  # worker 0: parameters after each epoch, scored at the end
         self.taken = (0, 0.0)  # wire bytes and wait seconds already reported by take_comm
         self.rows = [(time.time(), 0.0)]  # (wall clock, samples) at the start and after each step
 
