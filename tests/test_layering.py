@@ -140,6 +140,7 @@ def test_every_registry_implements_exactly_its_names():
     from paraloom.train.strategy import STRATEGIES
 
     assert tuple(STRATEGIES) == choices.STRATEGIES == tuple(UNUSED_SETTINGS) == tuple(WHY_UNUSED)
+    assert all(not strategy.__abstractmethods__ for strategy in STRATEGIES.values())  # each can be built
 
 
 def test_config_offers_exactly_the_names():

@@ -10,6 +10,7 @@ fields, the recipe of optimizer and loss), which engines, schedules and servers 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,8 +25,9 @@ class StepResult(NamedTuple):
     compute_seconds: float  # forward and backward computation of this rank, waits excluded
 
 
-class Strategy:
-    """One kind of parallelism; a subclass sets the attributes and the methods that raise."""
+class Strategy(ABC):
+    """One kind of parallelism; a subclass sets the attributes and implements the abstract methods
+    (a subclass that leaves one out cannot be built)."""
 
     model: nn.Module  # this rank's part of the model, unwrapped: what traces and faults hook
     group: dist.ProcessGroup | None = None  # the ranks that run the loop: metrics, evaluation
@@ -35,25 +37,26 @@ class Strategy:
     drop_last = False  # True: an epoch's short last batch is skipped (fixed micro-batch shapes)
     serves = False  # True on a rank that serves the others (a parameter server), taking no step
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027 (a default that does nothing, not a forgotten method)
         """After any resume, before the first step."""
 
+    @abstractmethod
     def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
                    saving: bool) -> StepResult:
         """Forward, backward, sync and update of 1-based `step` on this rank's shard `x`, `y` of a
         global batch of `global_count` samples; `saving`: a checkpoint follows it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss_value(self, result: StepResult, global_count: int) -> float:
         """The step's mean loss (a collective over `group` where needed)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def take_comm(self) -> tuple[int, float]:
         """(bytes, seconds) of training communication since the last call."""
-        raise NotImplementedError
 
+    @abstractmethod
     def learning_rate(self) -> float:
-        raise NotImplementedError
+        """The optimizer's learning rate now (for the metrics)."""
 
     def metrics(self) -> dict[str, Any]:
         """This strategy's own fields of a metrics line."""
@@ -63,20 +66,21 @@ class Strategy:
         """run.eval_every_epoch: test accuracy now, or a callable that gives it after training."""
         return None
 
+    @abstractmethod
     def finish(self) -> dict[str, Any]:
         """After the last step: land every update, evaluate; {"test_accuracy": ..., ...}."""
-        raise NotImplementedError
 
+    @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict on global rank 0 (collective), None elsewhere."""
-        raise NotImplementedError
 
+    @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """This rank's checkpoint state; a key "shared" holds state equal on every rank (written once)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Load what `state_dict` gave (its "shared" part as rank 0 wrote it)."""
 
     def summary(self) -> dict[str, Any]:
         """Summary fields (collective over `group`); they override the loop's."""
@@ -86,8 +90,8 @@ class Strategy:
         """A serving rank's whole run; `save(step, state)` writes a checkpoint (collective)."""
         raise RuntimeError(f"{type(self).__name__} has no serving ranks")
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (as begin)
+        """Release what the strategy holds (hooks, threads)."""
 
 
 class EngineStrategy(Strategy):
