@@ -1,4 +1,4 @@
-"""Strings and JSON between ranks, as bytes in tensors: nothing received is unpickled."""
+"""Numbers, strings and JSON between ranks, as tensors: nothing received is unpickled."""
 
 from __future__ import annotations
 
@@ -38,3 +38,11 @@ def gather_json(data: Any | None, group: dist.ProcessGroup | None = None) -> lis
     every = [torch.zeros_like(mine) for _ in sizes]
     dist.all_gather(every, mine, group=group)
     return [json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(every, sizes, strict=True) if int(n)]
+
+
+def gather_floats(values: list[float], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `values` (the same count on each), one float64 row per rank in rank order."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return torch.stack(every)

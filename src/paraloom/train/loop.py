@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paraloom.comm.objects import broadcast_text
+from paraloom.comm.objects import broadcast_text, gather_floats
 from paraloom.config import Config
 from paraloom.config_faults import parse_faults
 from paraloom.data import ShardedBatches, Split, load_dataset
@@ -252,10 +252,7 @@ class Loop:
 
     def gather(self, value: float) -> list[float]:
         """`value` of every rank of the strategy's group, in rank order (collective)."""
-        mine = torch.tensor([value], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.strategy.group))]
-        dist.all_gather(every, mine, group=self.strategy.group)
-        return [float(v) for v in every]
+        return gather_floats([value], self.strategy.group)[:, 0].tolist()
 
     def evaluate_epoch(self) -> None:
         self.operation = "evaluation"

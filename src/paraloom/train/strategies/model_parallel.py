@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraloom.comm.collectives import CommStats, default_timeout
+from paraloom.comm.objects import gather_floats
 from paraloom.config import Config
 from paraloom.data import Split
 from paraloom.errors import UserError
@@ -202,12 +203,9 @@ class ModelParallelStrategy(EngineStrategy):
     def summary(self) -> dict[str, Any]:
         """Step and schedule times, bubbles, memory and partition, every rank's (collective)."""
         history = self.stage.history
-        mine = torch.tensor([_median(self.step_seconds), _median([h.busy_seconds for h in history]),
-                             _median([h.step_seconds for h in history]), float(param_bytes(self.model)),
-                             float(self.peak_activation)], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine, group=self.group)
-        per_rank = torch.stack(every)
+        per_rank = gather_floats([_median(self.step_seconds), _median([h.busy_seconds for h in history]),
+                                  _median([h.step_seconds for h in history]), float(param_bytes(self.model)),
+                                  float(self.peak_activation)], self.group)
         dp, tp, pp = self.grid
         return {"grid": {"dp": dp, "tp": tp, "pp": pp}, "schedule": self.schedule, "microbatches": self.m,
                 "partition": [list(b) for b in self.bounds], **bubbles(per_rank[:, :3], pp, self.m),

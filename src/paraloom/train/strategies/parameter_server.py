@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.comm.collectives import default_timeout
-from paraloom.comm.objects import gather_json
+from paraloom.comm.objects import gather_floats, gather_json
 from paraloom.config import Config
 from paraloom.data import Split
 from paraloom.errors import UserError
@@ -178,9 +178,7 @@ class ParameterServerStrategy(Strategy):
         client.pull(fresh=True)
         client.close()
         accuracy = evaluate(self.model, self.split, self.group)
-        waits = [torch.zeros(3, dtype=torch.float64) for _ in range(self.n_workers)]
-        dist.all_gather(waits, torch.tensor([client.wait_seconds, cpu_seconds, client.pushes_sent],
-                                            dtype=torch.float64), group=self.group)
+        waits = gather_floats([client.wait_seconds, cpu_seconds, client.pushes_sent], self.group)
         rows = [torch.zeros(len(self.rows), 2, dtype=torch.float64) for _ in range(self.n_workers)]
         dist.all_gather(rows, torch.tensor(self.rows, dtype=torch.float64), group=self.group)
         self.waits, self.throughput = waits, all_workers_throughput(rows)
