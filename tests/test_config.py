@@ -116,7 +116,7 @@ GPT = ["model.name=gpt", "data.name=text"]
 
 @pytest.mark.parametrize(("overrides", "world", "message"), [
     ([*GPT, "parallel.tp=3"], 3, r"parallel.tp=3 does not divide model.n_heads=4; choose tp in \{1, 2, 4\}"),
-    (["parallel.tp=2"], 2, r"parallel.tp=2 splits the gpt's .* model.name=cnn has none"),
+    (["parallel.tp=2"], 2, r"parallel.tp=2 needs a tensor-parallel plan; model.name=cnn has none"),
     (["model.name=gpt"], 1, r"model.name=gpt cannot train on data.name=digits"),
     (["model.name=mlp", "data.name=text"], 1, r"model.name=mlp cannot train on data.name=text"),
     ([*GPT, "parallel.pp=2", "parallel.microbatches=3"], 4,

@@ -10,7 +10,9 @@ from __future__ import annotations
 # ---- what is trained
 MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "vgg16")  # paraloom.models
 DATASETS = ("digits", "synthetic", "text")  # paraloom.data; text: the stdlib's source bytes
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "adamw", "sgd", "lars", "lamb")  # the usual; optim.name takes any torch.optim class
+LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # after optim.warmup_steps of linear warm-up
+PRECISIONS = ("fp32", "bf16", "fp16")  # run.precision: torch.autocast's dtype; fp16 adds a loss scaler
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda if available
 
 # ---- how the work is split: parallel.mode (the training strategy's family)

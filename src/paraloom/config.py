@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,13 +12,19 @@ import yaml
 
 from paraloom import choices, rules
 from paraloom.config_faults import parse_faults
-from paraloom.config_io import merge, parse_overrides, read_yaml
+from paraloom.config_io import coerce, merge, parse_overrides, read_yaml
 from paraloom.config_world import grid, validate_world
 from paraloom.errors import UserError
 
 
-def _one_of(*names: str, default: str) -> Any:
-    return field(default=default, metadata={"choices": names})
+def _one_of(*names: str, default: str, factory: bool = False) -> Any:
+    """A name out of `names`; with `factory`, also a user's `package.module:factory`."""
+    return field(default=default, metadata={"choices": names, "factory": factory})
+
+
+def _options() -> Any:
+    """Keyword arguments for a factory or a constructor (`--set section.options.key=value`)."""
+    return field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -39,6 +43,7 @@ class RunConfig:
     max_restarts: int = 3  # elastic restarts after a worker fails (each resumes from the last checkpoint)
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
     eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy
+    precision: str = _one_of(*choices.PRECISIONS, default="fp32")  # bf16/fp16: autocast (fp16: loss scaling)
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
@@ -54,7 +59,7 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _one_of(*choices.MODELS, default="cnn")  # see models/
+    name: str = _one_of(*choices.MODELS, default="cnn", factory=True)  # see models/, or pkg.module:factory
     hidden: int = 128  # width of the hidden (fully connected) layer(s)
     depth: int = 2  # mlp: number of hidden layers
     channels: int = 32  # cnn: channels of the first convolution (the second has twice as many)
@@ -62,6 +67,8 @@ class ModelConfig:
     d_model: int = 128  # gpt: hidden size
     n_heads: int = 4  # gpt: attention heads (divides d_model; tensor parallelism splits them)
     recompute: bool = False  # gpt: recompute each block's activations in backward (saves memory)
+    options: dict[str, Any] = _options()  # keyword arguments of the model (zoo class or user factory)
+    tp_plan: dict[str, Any] | None = None  # module-name pattern -> colwise/rowwise/vocab/replicate (README)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "depth", "channels", "n_layers", "d_model", "n_heads"):
@@ -70,7 +77,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    name: str = _one_of(*choices.DATASETS, default="digits")  # text: stdlib source bytes
+    name: str = _one_of(*choices.DATASETS, default="digits", factory=True)  # text: stdlib source bytes
     batch_size: int = 64  # global batch per step, split evenly across data-parallel ranks
     test_fraction: float = 0.2  # held-out share, stratified, fixed by split_seed
     split_seed: int = 0  # seed of the train/test split
@@ -80,10 +87,14 @@ class DataConfig:
     n_classes: int = 4  # synthetic: classes
     seq_len: int = 128  # text: bytes per sample (the gpt's context)
     text_bytes: int = 1_000_000  # text: training bytes read (validation gets test_fraction as much)
+    options: dict[str, Any] = _options()  # keyword arguments of a user's data factory
+    workers: int = 0  # DataLoader worker processes reading a user's data set (0: in the training process)
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "n_samples", "n_features", "seq_len", "text_bytes"):
             _positive(self, key)
+        if self.workers < 0:
+            raise UserError(f"data.workers={self.workers} must not be negative")
         if self.n_classes < 2:
             raise UserError(f"data.n_classes={self.n_classes} must be at least 2")
         if not 0.0 < self.test_fraction < 1.0:
@@ -92,21 +103,43 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: str = _one_of(*choices.OPTIMIZERS, default="adam")  # optimizer
-    lr: float = 2e-3  # learning rate
-    momentum: float = 0.9  # sgd momentum
-    weight_decay: float = 0.0  # L2 penalty
+    name: str = "adam"  # any torch.optim optimizer by name (adam, adamw, sgd, rmsprop, ...), lars or lamb
+    options: dict[str, Any] = _options()  # the optimizer's keyword arguments; they win over lr/momentum/...
+    lr: float = 2e-3  # learning rate (of a global batch of base_batch samples when scale_lr)
+    momentum: float = 0.9  # where the optimizer takes one (sgd, rmsprop, lars)
+    weight_decay: float = 0.0  # where the optimizer takes it
     epochs: int = 12  # passes over the training set
     max_steps: int | None = None  # stop early after this many steps (None: run all epochs)
+    schedule: str = _one_of(*choices.LR_SCHEDULES, default="constant")  # decay after the warm-up
+    warmup_steps: int = 0  # linear warm-up of the learning rate over the first steps
+    min_lr_ratio: float = 0.0  # cosine/linear/step: the rate at the last step, as a share of lr
+    step_every: int | None = None  # step decay: steps between drops (None: a third of the run)
+    step_gamma: float = 0.1  # step decay: factor of each drop
+    accumulate: int = 1  # micro-batches per optimizer step, gradients summed locally, synced once
+    scale_lr: bool = False  # linear scaling rule (Goyal et al. 2017): lr * data.batch_size / base_batch
+    base_batch: int = 64  # the global batch `lr` was tuned for (scale_lr)
+    clip_norm: float | None = None  # clip the gradient to this global L2 norm (None: no clipping)
 
     def __post_init__(self) -> None:
-        _positive(self, "epochs")
-        if self.max_steps is not None:
-            _positive(self, "max_steps")
+        for key in ("epochs", "accumulate", "base_batch"):
+            _positive(self, key)
+        for key in ("max_steps", "step_every"):
+            if getattr(self, key) is not None:
+                _positive(self, key)
+        if not self.name or not self.name.replace("_", "").isalnum():
+            raise UserError(f"optim.name={self.name!r} must name an optimizer, e.g. adamw, sgd, lamb")
         if self.lr <= 0:
             raise UserError(f"optim.lr={self.lr} must be positive")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise UserError("optim.momentum and optim.weight_decay must not be negative")
+        if self.momentum < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise UserError("optim.momentum, optim.weight_decay and optim.warmup_steps must not be negative")
+        if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 < self.step_gamma <= 1.0:
+            raise UserError("optim.min_lr_ratio must lie in [0, 1] and optim.step_gamma in (0, 1]")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise UserError(f"optim.clip_norm={self.clip_norm} must be positive (or null: no clipping)")
+
+    def scaled_lr(self, global_batch: int) -> float:
+        """The learning rate for a global batch of `global_batch` samples (the scaling rule, if asked)."""
+        return self.lr * global_batch / self.base_batch if self.scale_lr else self.lr
 
 
 @dataclass(kw_only=True)
@@ -244,6 +277,8 @@ class Config:
         if self.parallel.mode == "ps":
             rules.check_push_compressor(self.comm.compressor)
         rules.check_strategy_settings(self.strategy, self.changed(), device=self.run.device)
+        rules.check_recipe(self.strategy, clip_norm=self.optim.clip_norm, precision=self.run.precision,
+                           guard_nan=self.guard.nan, scheduler=self.comm.scheduler)
 
     @property
     def strategy(self) -> str:
@@ -311,41 +346,6 @@ def _section_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-def _type_text(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if args:
-        return " or ".join(_type_text(a) for a in args)
-    return "null" if tp is type(None) else tp.__name__
-
-
-_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _coerce(key: str, value: Any, tp: Any, allowed: tuple[str, ...] | None) -> Any:
-    """Check one value against its annotation; ints widen to floats, nothing else converts."""
-    options = typing.get_args(tp) or (tp,)
-    if value is None:
-        if type(None) in options:
-            return None
-        raise UserError(f"{key} must not be empty (null)")
-    for option in options:
-        if option is bool and isinstance(value, bool):
-            return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if option is float and not isinstance(value, bool):
-            if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
-                value = float(value)  # YAML 1.1 reads "1e-3" as text
-            if isinstance(value, (int, float)):
-                if not math.isfinite(value):
-                    raise UserError(f"{key} must be a finite number, got {value!r}")
-                return float(value)
-        if option is str and isinstance(value, str):
-            return rules.check_name(key, value, allowed) if allowed else value
-    wanted = " or ".join(_type_text(o) for o in options if o is not type(None))
-    raise UserError(f"{key} must be {wanted}, got {value!r}")
-
-
 def _build_section(name: str, section_type: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(section_type)
     fields = {f.name: f for f in dataclasses.fields(section_type)}
@@ -353,7 +353,9 @@ def _build_section(name: str, section_type: type, values: dict[str, Any]) -> Any
     for key, value in values.items():
         if key not in fields:
             raise UserError(f"unknown key {name}.{key}; keys of {name}: {', '.join(fields)}")
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
+        metadata = fields[key].metadata
+        kwargs[key] = coerce(f"{name}.{key}", value, hints[key], metadata.get("choices"),
+                             metadata.get("factory", False))
     return section_type(**kwargs)
 
 

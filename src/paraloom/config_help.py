@@ -8,7 +8,8 @@ import re
 import typing
 from typing import Any
 
-from paraloom.config import _section_types, _type_text
+from paraloom.config import _section_types
+from paraloom.config_io import type_text
 
 
 def section_keys() -> dict[str, list[tuple[str, str, Any, str]]]:
@@ -20,8 +21,11 @@ def section_keys() -> dict[str, list[tuple[str, str, Any, str]]]:
         rows = []
         for f in dataclasses.fields(section_type):
             kind = f.metadata.get("choices")
-            text = "|".join(kind) if kind else _type_text(hints[f.name])
-            rows.append((f.name, text, f.default, comments.get(f.name, "")))
+            text = "|".join(kind) if kind else type_text(hints[f.name])
+            if f.metadata.get("factory"):
+                text += "|package.module:factory"
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((f.name, text, default, comments.get(f.name, "")))
         out[name] = rows
     return out
 

@@ -1,24 +1,34 @@
-"""Config text: YAML files read safely, dotted `--set section.key=value` overrides, and their merge."""
+"""Config text: YAML read safely, dotted `--set` overrides, their merge, values checked against types."""
 
 from __future__ import annotations
 
+import math
+import re
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from paraloom import rules
 from paraloom.errors import UserError
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
-    """`["data.batch_size=128", ...]` -> nested dict; values are parsed as YAML scalars."""
+    """`["data.batch_size=128", "model.options.width=256", ...]` -> nested dict; values are parsed
+    as YAML scalars. A key below a section's key (`model.options.width`) sets one entry of a mapping."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         dotted, sep, text = item.partition("=")
-        section, dot, key = dotted.strip().partition(".")
-        if not sep or not dot or not section or not key:
+        path = dotted.strip().split(".")
+        if not sep or len(path) < 2 or not all(path):
             raise UserError(f"--set {item!r} must look like section.key=value, e.g. data.batch_size=128")
-        out.setdefault(section, {})[key] = _parse_scalar(text, dotted)
+        node: dict[str, Any] = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {item!r} sets a key below {part!r}, which another --set gave a value")
+        node[path[-1]] = _parse_scalar(text, dotted)
     return out
 
 
@@ -31,6 +41,8 @@ def _parse_scalar(text: str, key: str) -> Any:
         raise UserError(f"--set {key}= takes a single value, not {type(value).__name__}")
     if hasattr(value, "isoformat"):  # YAML dates stay text
         return text
+    if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads "1e-6" as text; a mapping's entries are not coerced later
     return value
 
 
@@ -65,9 +77,54 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def merge(base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for section, values in overrides.items():
-        current = out.get(section)
-        out[section] = {**(current if isinstance(current, dict) else {}), **values}
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` laid over `base`, mappings merged key by key at every depth (neither is changed)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        current = out.get(key)
+        out[key] = merge(current, value) if isinstance(value, dict) and isinstance(current, dict) else value
     return out
+
+
+def type_text(tp: Any) -> str:
+    if typing.get_origin(tp) is dict:
+        return "mapping"
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join(type_text(a) for a in args)
+    return "null" if tp is type(None) else tp.__name__
+
+
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def coerce(key: str, value: Any, tp: Any, allowed: tuple[str, ...] | None, factory: bool = False) -> Any:
+    """Check one value against its annotation; ints widen to floats, nothing else converts."""
+    options = (tp,) if typing.get_origin(tp) is dict else typing.get_args(tp) or (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise UserError(f"{key} must not be empty (null)")
+    for option in options:
+        if typing.get_origin(option) is dict and isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise UserError(f"{key} must map names to values, got keys {list(value)!r}")
+            return value
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and not isinstance(value, bool):
+            if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+                value = float(value)  # YAML 1.1 reads "1e-3" as text
+            if isinstance(value, (int, float)):
+                if not math.isfinite(value):
+                    raise UserError(f"{key} must be a finite number, got {value!r}")
+                return float(value)
+        if option is str and isinstance(value, str):
+            if factory and rules.is_factory(value):
+                return value
+            return rules.check_name(key, value, allowed, factory=factory) if allowed else value
+    wanted = " or ".join("a mapping" if typing.get_origin(o) is dict else type_text(o)
+                         for o in options if o is not type(None))
+    raise UserError(f"{key} must be {wanted}, got {value!r}")

@@ -25,10 +25,12 @@ def grid(cfg: Config, world_size: int) -> tuple[int, int, int]:
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of workers; run before any worker starts."""
     dp, tp, pp = grid(cfg, world_size)
-    rules.check_batch_split(batch_size=cfg.data.batch_size, dp=dp, microbatches=cfg.parallel.microbatches,
+    microbatches = cfg.parallel.microbatches * (cfg.optim.accumulate if cfg.parallel.model_parallel else 1)
+    rules.check_batch_split(batch_size=cfg.data.batch_size, dp=dp, microbatches=microbatches,
                             model_parallel=cfg.parallel.model_parallel)
     if cfg.parallel.model_parallel:
-        rules.check_tensor_parallel(tp=tp, model=cfg.model.name, n_heads=cfg.model.n_heads)
+        rules.check_tensor_parallel(tp=tp, model=cfg.model.name, n_heads=cfg.model.n_heads,
+                                    has_plan=bool(cfg.model.tp_plan))
         rules.check_pipeline_stages(pp=pp, model=cfg.model.name, n_layers=cfg.model.n_layers)
         rules.check_model_parallel_sync(dp=dp, sync=cfg.comm.sync, shard_optimizer=cfg.comm.shard_optimizer,
                                         scheduler=cfg.comm.scheduler, compressor=cfg.comm.compressor)

@@ -22,12 +22,20 @@ from paraloom.choices import (
 from paraloom.errors import UserError
 
 
-def check_name(key: str, value: str, names: Iterable[str]) -> str:
-    """`value` if it is one of `names`; otherwise one line that lists them."""
+def check_name(key: str, value: str, names: Iterable[str], *, factory: bool = False) -> str:
+    """`value` if it is one of `names`; otherwise one line that lists them (and, where a user's
+    factory may stand instead, says how to name one)."""
     names = tuple(names)
     if value not in names:
-        raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(names)}")
+        own = " or your own package.module:factory" if factory else ""
+        raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(names)}{own}")
     return value
+
+
+def is_factory(name: str) -> bool:
+    """Whether `name` reads `package.module:factory` (identifiers; the factory may be dotted)."""
+    module, sep, attr = name.partition(":")
+    return bool(sep) and all(part.isidentifier() for part in (*module.split("."), *attr.split(".")))
 
 
 def check_dp_options(*, sync: str = "sync", scheduler: str = "wait_free", shard_optimizer: bool = False,
@@ -124,6 +132,20 @@ def check_strategy_settings(strategy: str, changed: dict[str, object], *, device
                         "use run.device=cpu")
 
 
+def check_recipe(strategy: str, *, clip_norm: float | None, precision: str, guard_nan: bool,
+                 scheduler: str) -> None:
+    """The optimizer recipe (optim.*, run.precision) against the strategy that must honour it."""
+    if strategy == "parameter_server" and precision == "fp16":
+        raise UserError("the parameter_server strategy does not train at run.precision=fp16 so far (its "
+                        "loss scale would differ per worker); use bf16 or fp32")
+    if clip_norm is not None and scheduler == "priority":
+        raise UserError("optim.clip_norm needs every gradient before any update; comm.scheduler=priority "
+                        "updates each layer as its gradients land: use wait_free or fifo")
+    if precision == "fp16" and not guard_nan:
+        raise UserError("run.precision=fp16 skips the steps whose scaled gradients overflow through the "
+                        "non-finite guard: leave guard.nan=true")
+
+
 def check_parallel_layout(*, mode: str, tp: int, pp: int, microbatches: int) -> None:
     """parallel.mode against tensor and pipeline parallelism: the combinations that make sense."""
     check_name("parallel.mode", mode, PARALLEL_MODES)
@@ -156,6 +178,8 @@ def check_sparse_training(*, mode: str, model_parallel: bool, compressor: str, s
 
 def check_model_data(model: str, data: str) -> None:
     """A zoo model and a built-in data set that fit together."""
+    if is_factory(model) or is_factory(data):
+        return  # a user's: built and checked before launch (preflight)
     if model == "cnn" and data == "synthetic":
         raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
                         "use model.name=mlp")
@@ -178,13 +202,16 @@ def check_batch_split(*, batch_size: int, dp: int, microbatches: int, model_para
                         f"{dp * microbatches}")
 
 
-def check_tensor_parallel(*, tp: int, model: str, n_heads: int) -> None:
-    """Tensor parallelism splits the gpt's heads: tp must divide them."""
-    if tp == 1:
+def check_tensor_parallel(*, tp: int, model: str, n_heads: int, has_plan: bool = False) -> None:
+    """Tensor parallelism splits a model by its plan: the gpt's own (tp must divide its heads), a
+    zoo model's given as model.tp_plan, or a user's model's (checked against the model before launch)."""
+    if tp == 1 or is_factory(model):
         return
     if model != "gpt":
-        raise UserError(f"parallel.tp={tp} splits the gpt's attention heads and MLP; "
-                        f"model.name={model} has none: use model.name=gpt or tp=1")
+        if has_plan:
+            return
+        raise UserError(f"parallel.tp={tp} needs a tensor-parallel plan; model.name={model} has none: "
+                        "set model.tp_plan, use model.name=gpt, or tp=1")
     if n_heads % tp:
         options = [t for t in range(1, n_heads + 1) if n_heads % t == 0]
         raise UserError(f"parallel.tp={tp} does not divide model.n_heads={n_heads}; "

@@ -21,7 +21,9 @@ def default_name(cfg: Config, world: int) -> str:
             layout = f"dp{dp}tp{tp}pp{pp}"
         except UserError:
             pass  # the grid is refused later, with its own message
-    return f"{cfg.model.name}-{cfg.data.name}-{layout}-{stamp}"
+    # a user's package.module:factory without the colon (paths, PYTHONPATH lists, scp, TensorBoard)
+    model, data = (name.replace(":", ".") for name in (cfg.model.name, cfg.data.name))
+    return f"{model}-{data}-{layout}-{stamp}"
 
 
 def new_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = None) -> Path:

@@ -5,10 +5,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from paraloom.config import OptimConfig
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.models import build_model
-from paraloom.train.recipe import make_optimizer
+from paraloom.optim import make_optimizer
 
 BATCH = 24
 
@@ -17,8 +16,8 @@ def setup(model_name, opt_name):
     split = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model(model_name, split.input_shape, split.n_classes, hidden=32, channels=4)
-    optimizer = make_optimizer(OptimConfig(name=opt_name, lr=0.05 if opt_name == "sgd" else 0.01),
-                               model.parameters())
+    optimizer = make_optimizer(opt_name, model.parameters(), lr=0.05 if opt_name == "sgd" else 0.01,
+                               momentum=0.9)
     return split, model, optimizer
 
 

@@ -23,8 +23,7 @@ def _train(rank, world, kwargs, count=20, opt_name="adam"):
     losses, sizes = [], [piece.stop - piece.start for pieces in engine.pieces for piece in pieces]
     engine.stats.take()
     for idx, n in steps(100, rank, world, count=count):
-        loss, loss_sum = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=n,
-                                    dp_world_size=world)
+        loss, loss_sum = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / n)
         loss.backward()
         engine.step(optimizer)
         losses.append(loss_sum.item() / n)
@@ -81,8 +80,13 @@ def test_unsupported_combinations_are_refused(kwargs, message):
 
 def test_dgc_takes_over_sgd_momentum():
     """DGC's momentum correction replaces SGD's momentum; with Adam it runs without momentum."""
-    from paraloom.config import CommConfig, OptimConfig
-    from paraloom.train.recipe import dgc_options, make_optimizer
+    from paraloom.config import CommConfig, Config, OptimConfig
+    from paraloom.optim.recipe import Recipe
+    from paraloom.train.recipe import dgc_options
+
+    def make_optimizer(optim, params, comm=None):
+        cfg = Config(optim=optim, comm=comm or CommConfig())
+        return Recipe(cfg, params, total_steps=1, device=torch.device("cpu")).optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     dgc, plain = CommConfig(compressor="dgc"), CommConfig(compressor="topk")

@@ -29,7 +29,7 @@ def _train(rank, world, model_name, opt_name, n, engine_kwargs, naive=False, cla
     losses, grads, launched_in_backward = [], None, []
     for idx, count in steps(n, rank, world, count=STEPS):
         loss, loss_sum = batch_loss(engine, split.x_train[idx], split.y_train[idx],
-                                    global_count=count, dp_world_size=world)
+                                    scale=world / count)
         if classic:
             optimizer.zero_grad(set_to_none=False)
         loss.backward()
@@ -92,8 +92,7 @@ def test_priority_cuts_tensors_into_partitions_and_every_rank_plans_the_same_ord
         split, model, optimizer = setup("mlp", "sgd")
         engine = DataParallel(model, scheduler="priority", partition_mb=0.004, credit_mb=0.004)
         for idx, count in steps(98, rank, world, count=4):
-            loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
-                                 dp_world_size=world)
+            loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / count)
             loss.backward()
             engine.step(optimizer)
         engine.finish()
@@ -240,8 +239,7 @@ def test_a_traced_step_has_one_comm_span_per_piece(variant):
                               **VARIANTS[variant](TINY))
         for i, (idx, count) in enumerate(steps(98, rank, world, count=3)):
             timeline.active = i == 2
-            loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
-                                 dp_world_size=world)
+            loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / count)
             loss.backward()
             engine.step(optimizer)
         engine.finish()

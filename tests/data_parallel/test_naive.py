@@ -20,7 +20,7 @@ def _data_parallel(rank, world, model_name, opt_name, n, algorithm="native"):
     losses, grads = [], None
     for idx, count in steps(n, rank, world):
         loss, loss_sum = batch_loss(engine, split.x_train[idx], split.y_train[idx],
-                                    global_count=count, dp_world_size=world)
+                                    scale=world / count)
         optimizer.zero_grad()
         loss.backward()
         engine.sync_gradients()

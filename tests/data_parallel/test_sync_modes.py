@@ -47,8 +47,7 @@ def _train_engine(rank, world, opt_name, engine_kwargs):
     split, model, optimizer = _make(opt_name)
     engine = DataParallel(model, **engine_kwargs)
     for idx, count in steps(N, rank, world, count=STEPS):
-        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
-                             dp_world_size=world)
+        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / count)
         loss.backward()
         engine.step(optimizer)
     engine.finish()
@@ -64,8 +63,7 @@ def _train_drop_in(rank, world, opt_name, engine_kwargs):
     optimizer = DistributedOptimizer(optimizer, engine)
     for idx, count in steps(N, rank, world, count=STEPS):
         optimizer.zero_grad()
-        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
-                             dp_world_size=world)
+        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / count)
         loss.backward()
         optimizer.step()
     engine.finish()
@@ -82,8 +80,7 @@ def _worker_grads(split, models, world, t, shards):
     grads = []
     for model, shard in zip(models, shards, strict=True):
         idx, count = shard[t]
-        loss, _ = batch_loss(model, split.x_train[idx], split.y_train[idx], global_count=count,
-                             dp_world_size=world)
+        loss, _ = batch_loss(model, split.x_train[idx], split.y_train[idx], scale=world / count)
         grads.append(torch.autograd.grad(loss, list(model.parameters())))
     return grads
 
@@ -245,8 +242,7 @@ def _sharded_adam(rank, world, hidden):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     engine = DataParallel(model, shard_optimizer=True, bucket_mb=0.1, first_bucket_mb=0.1)
     for idx, count in steps(N, rank, world, count=3):
-        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
-                             dp_world_size=world)
+        loss, _ = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / count)
         loss.backward()
         engine.step(optimizer)
     engine.finish()

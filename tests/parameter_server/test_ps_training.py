@@ -25,9 +25,9 @@ def _trained_params(rank, world, cfg, ps):
     module = parameter_server if ps else data_parallel
     captured, original = {}, module.evaluate
 
-    def grab(model, split, group):
+    def grab(model, *args, **kwargs):
         captured["params"] = [p.detach().clone() for p in model.parameters()]
-        return original(model, split, group)
+        return original(model, *args, **kwargs)
 
     module.evaluate = grab
     summary = train(cfg, None, device=torch.device("cpu"))

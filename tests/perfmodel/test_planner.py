@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -93,6 +94,20 @@ def test_parsers():
         parse_nodes("eight")
     assert parse_plan("dp=2,scheduler=fifo").scheduler == "fifo"
     assert grids(1, profile_model("mlp"), load_hardware("a100-hdr"), 1)[0].dp == 1
+
+
+def test_a_plan_for_a_user_model_emits_its_factories_and_precision(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # own_code.py
+    config = tmp_path / "best.yaml"
+    assert main(["plan", "--model", "own_code:make_model:width=32", "--data", "own_code:make_data:n=12",
+                 "--cluster", "a100-hdr", "--nodes", "1", "--global-batch", "8", "--dtype", "bf16",
+                 "--exact-only", "--emit", str(config)]) == 0
+    cfg = load_config(str(config), [])
+    assert cfg.run.precision == "bf16"
+    assert (cfg.model.name, cfg.model.options) == ("own_code:make_model", {"width": 32})
+    assert (cfg.data.name, cfg.data.options, cfg.data.batch_size) == ("own_code:make_data", {"n": 12}, 8)
+    assert main(["plan", "--model", "own_code:make_model", "--cluster", "a100-hdr", "--nodes", "1",
+                 "--emit", str(config)]) == 2  # a bare nn.Module needs --data for its example input
 
 
 def test_emitted_config_trains_as_it_is(tmp_path):

@@ -1,6 +1,7 @@
 """Model profiles: FLOPs and bytes per layer against hand-computed values and real runs; spec parsing."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,16 +185,28 @@ def test_models_that_are_not_sequences_are_one_layer(tmp_path, monkeypatch):
     assert twin.n_params == 2 * (16 * 16 + 16)
     pair = profile_model("usermodels:make_pair")
     assert pair.layers[0].fwd_flops["matmul"] == 2 * 8 * 3
-    with pytest.raises(UserError, match="does not take these arguments"):
+    with pytest.raises(UserError, match="takes no option 'depth'"):
         profile_model("usermodels:make:depth=3")
-    with pytest.raises(UserError, match="has no callable"):
+    with pytest.raises(UserError, match="has no attribute"):
         profile_model("usermodels:missing")
-    with pytest.raises(UserError, match="must return"):
+    with pytest.raises(UserError, match="needs an example input; give --data"):
         profile_model("usermodels:make_bare")
     with pytest.raises(UserError, match="gets a tuple, not a tensor"):
         profile_model("usermodels:make_split")
     with pytest.raises(UserError, match="cannot run on the meta device"):
         profile_model("usermodels:make_reader")
+
+
+
+
+def test_a_user_model_takes_its_input_from_the_data_set_and_is_profiled_piece_by_piece(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # own_code.py: a user's model and data set
+    profile = profile_model("own_code:make_model:width=32", data="own_code:make_data:n=5")
+    assert [layer.name for layer in profile.layers] == ["stem", "body", "head"]
+    assert profile.n_params == (4 * 32 + 32) + (32 * 32 + 32) + (32 * 3 + 3)
+    assert profile.input_bytes == 4 * 4  # four fp32 features a sample
+    with pytest.raises(UserError, match="takes no option 'rows'"):
+        profile_model("own_code:make_model", data="own_code:make_data:rows=5")
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -14,7 +14,7 @@ from distributed import run_workers
 from torch.testing import assert_close
 
 from paraloom.config import load_config
-from paraloom.data import ShardedBatches
+from paraloom.data import ShardedBatchSampler
 from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.train import train
@@ -141,13 +141,13 @@ def test_resume_on_the_same_grid_equals_a_straight_run(tmp_path, capfd):
 
 def _epochs_seen(rank, world, overrides):
     seen = []
-    original = ShardedBatches.epoch
+    original = ShardedBatchSampler.set_epoch
 
-    def recording(self, epoch):
+    def recording(self, epoch, start=0):
         seen.append(epoch)
-        return original(self, epoch)
+        return original(self, epoch, start)
 
-    ShardedBatches.epoch = recording  # this forked rank's copy only
+    ShardedBatchSampler.set_epoch = recording  # this forked rank's copy only
     summary = _train(rank, world, overrides)
     return seen, summary["steps"]
 

@@ -9,7 +9,6 @@ land within a point of its accuracy. Both runs use one thread per process, so th
 is the same.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -22,9 +21,9 @@ import torch
 from distributed import run_workers
 
 from paraloom.config import load_config
-from paraloom.models import build_model
 from paraloom.train import train
-from paraloom.train.loop import load_split
+from paraloom.train.loop import load_data
+from paraloom.train.recipe import make_model
 
 MLP = ["model.name=mlp", "model.hidden=16", "data.name=synthetic", "data.n_samples=256", "data.batch_size=32"]
 GPT = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=1000", "model.d_model=16",
@@ -134,9 +133,7 @@ def test_every_feature_under_every_strategy(name, killed_runs, tmp_path):
         _check_trace(run_dir, rank, name)
     # save_model: the whole model's state dict, gathered
     cfg = load_config(None, _settings(name))
-    split = load_split(cfg, torch.device("cpu"))
-    options = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "name"}
-    full = build_model(cfg.model.name, split.input_shape, split.n_classes, **options).state_dict()
+    full = make_model(cfg, load_data(cfg)).state_dict()
     model = torch.load(run_dir / "model.pt", weights_only=True)
     assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in full.items()}
 

@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 from distributed import run_workers
 
-from paraloom.config import OptimConfig
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.data_parallel import DataParallel
 from paraloom.models import build_model
-from paraloom.train.recipe import make_optimizer
+from paraloom.optim import make_optimizer
 from paraloom.train.strategies.data_parallel import engine_state, load_engine_state
 
 N, K = 8, 3  # steps in all; the checkpoint is taken after step K
@@ -29,7 +28,7 @@ def _build(options):
     split = load_dataset("digits")
     torch.manual_seed(0)
     model = build_model("mlp", split.input_shape, split.n_classes, hidden=32)
-    optimizer = make_optimizer(OptimConfig(name="adam", lr=0.01), model.parameters())
+    optimizer = make_optimizer("adam", model.parameters(), lr=0.01)
     engine = DataParallel(model, **options)
     return split, model, engine, optimizer
 

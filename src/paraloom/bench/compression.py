@@ -129,7 +129,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from paraloom.data import ShardedBatches, load_dataset
+    from paraloom.data import ShardedBatches, load_dataset, split_datasets
     from paraloom.data_parallel import DataParallel
     from paraloom.topology import Topology
     from paraloom.train.recipe import batch_loss, evaluate
@@ -154,7 +154,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
 
     def local_step() -> None:
         bare_optimizer.zero_grad(set_to_none=False)
-        batch_loss(bare, x0, y0, global_count=count0, dp_world_size=world)[0].backward()
+        batch_loss(bare, x0, y0, scale=world / count0)[0].backward()
         bare_optimizer.step()
 
     flat = torch.zeros(n_params)
@@ -171,7 +171,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
     allreduce_s = probe(lambda: dist.all_reduce(flat))
     # a real gradient, for the codec timings
     bare_optimizer.zero_grad(set_to_none=False)
-    batch_loss(bare, x0, y0, global_count=count0, dp_world_size=world)[0].backward()
+    batch_loss(bare, x0, y0, scale=world / count0)[0].backward()
     gradient = torch.cat([p.grad.reshape(-1) for p in bare.parameters()][::-1])
     matrices = [p.grad.clone() for p in bare.parameters() if p.dim() >= 2]
 
@@ -203,8 +203,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
             dist.barrier()
             start = time.perf_counter()
             for b, (idx, count) in enumerate(batches.epoch(epoch), 1):
-                loss = batch_loss(engine, split.x_train[idx], split.y_train[idx], global_count=count,
-                                  dp_world_size=world)[0]
+                loss = batch_loss(engine, split.x_train[idx], split.y_train[idx], scale=world / count)[0]
                 if is_ddp:
                     optimizer.zero_grad(set_to_none=False)
                     loss.backward()
@@ -220,7 +219,8 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
                 if not is_ddp:
                     engine.finish()
                 train_s += _max(time.perf_counter() - start)
-                acc = evaluate(model, split, groups.dp_group)  # outside the timed span
+                acc = evaluate(model, split_datasets(split), groups.dp_group,
+                               torch.device("cpu"))["test_accuracy"]  # outside the timed span
                 curve.append([steps, train_s, acc])
                 if tta is None and acc >= options["target"]:
                     tta, tta_steps = train_s, steps

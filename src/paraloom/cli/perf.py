@@ -20,6 +20,10 @@ def plan(
     cluster: Annotated[str, typer.Option(
         help="hardware preset (h100-ib-ndr, a100-hdr, v100-25gbe, ...) or a hardware YAML file")],
     nodes: Annotated[str, typer.Option(help="node counts: 8, 1..64 (powers of two) or 1,2,3")] = "1..8",
+    data: Annotated[str | None, typer.Option(
+        help="your data set, package.module:factory[:key=value,...] (as data.name in a config): the "
+             "example input of a model given as package.module:factory; the data set --emit names")
+    ] = None,
     global_batch: Annotated[int, typer.Option(help="samples per optimizer step")] = 256,
     dtype: Annotated[str, typer.Option(help="fp32, fp16 or bf16 (mixed precision)")] = "fp32",
     recompute: Annotated[str, typer.Option(help="activation recomputation: none or full")] = "none",
@@ -41,7 +45,7 @@ def plan(
 
     run_plan(model=model, cluster=cluster, nodes=nodes, global_batch=global_batch, dtype=dtype,
              recompute=recompute, optimizer=optimizer, plan=plan_, json_out=json_out, emit=emit, plot=plot,
-             floor=efficiency_floor, exact_only=exact_only, top=top)
+             floor=efficiency_floor, exact_only=exact_only, top=top, data=data)
 
 
 def calibrate(

@@ -78,7 +78,9 @@ def train(
                 raise UserError(f"ps.servers={cfg.ps.servers} leaves no worker on {nodes.describe()}; "
                                 "give the cluster more nodes than servers")
         cfg.validate_world(world)
-        _check_fault_steps(cfg, world)
+        from paraloom.preflight import preflight
+
+        preflight(cfg, world)
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
 
@@ -88,23 +90,6 @@ def _resumable(run_dir: Path) -> Path:
         what = "does not exist" if not run_dir.exists() else "is not a run directory (no config.yaml)"
         raise UserError(f"--resume {str(run_dir)!r} {what}; give runs/<name> of an earlier `paraloom train`")
     return run_dir
-
-
-def _check_fault_steps(cfg, world: int) -> None:
-    """Injected faults must name a step the run reaches (the data set's size decides how many)."""
-    if cfg.run.inject is None:
-        return
-    import dataclasses
-
-    from paraloom.config_faults import check_faults, parse_faults
-    from paraloom.data import load_dataset
-    from paraloom.train.recipe import planned_steps
-    from paraloom.train.strategy import STRATEGIES
-
-    data = dataclasses.asdict(cfg.data)
-    size = len(load_dataset(data.pop("name"), **data).y_train)
-    steps = planned_steps(cfg, size, drop_last=STRATEGIES[cfg.strategy].drop_last)
-    check_faults(parse_faults(cfg.run.inject), world, steps)
 
 
 def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None):

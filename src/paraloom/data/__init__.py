@@ -1,12 +1,21 @@
-"""Data sets as in-memory tensors, and deterministic per-rank batch sharding."""
+"""Data sets (the zoo's in-memory tensors and users' own), and deterministic per-rank batch sharding."""
 
 from __future__ import annotations
 
 from paraloom.data.digits import load_digits
+from paraloom.data.sampler import ShardBatch, ShardedBatchSampler
 from paraloom.data.sharding import ShardedBatches
 from paraloom.data.split import Split
 from paraloom.data.synthetic import make_synthetic
 from paraloom.data.text import load_text, unigram_loss
+from paraloom.data.user import (
+    LOSSES,
+    DataSets,
+    TensorPairs,
+    collate,
+    load_user_data,
+    split_datasets,
+)
 from paraloom.errors import UserError
 
 DATASETS = {"digits": load_digits, "synthetic": make_synthetic, "text": load_text}
@@ -18,5 +27,6 @@ def load_dataset(name: str, **kwargs) -> Split:
     return DATASETS[name](**kwargs)
 
 
-__all__ = ["DATASETS", "ShardedBatches", "Split", "load_dataset", "load_digits", "load_text",
-           "make_synthetic", "unigram_loss"]
+__all__ = ["DATASETS", "LOSSES", "DataSets", "ShardBatch", "ShardedBatchSampler", "ShardedBatches", "Split",
+           "TensorPairs", "collate", "load_dataset", "load_digits", "load_text",
+           "load_user_data", "make_synthetic", "split_datasets", "unigram_loss"]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from paraloom.comm.algorithms import reduce_scatter
 from paraloom.data_parallel.synchronous import SyncUpdater
 from paraloom.errors import UserError
+from paraloom.optim.trust import TrustRatioOptimizer
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the second names
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -69,12 +70,32 @@ class ShardedUpdater(SyncUpdater):
             accepted = inspect.signature(type(optimizer).__init__).parameters
             self.inner = type(optimizer)(self.shards, **{k: v for k, v in hyper.items() if k in accepted})
             self.inner.param_groups[0].update(hyper)
+            # the user's step pre-hooks (unscaling, clipping: paraloom's recipe) act on the shards,
+            # whose norms sum over the ranks holding the other blocks
+            self.inner.partition_group = self.engine.group
+            for hook in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values():
+                self.inner.register_step_pre_hook(hook)
+            if isinstance(self.inner, TrustRatioOptimizer):
+                self._segment_shards(self.inner)
             saved, self._saved_inner = getattr(self, "_saved_inner", None), None
             if saved is not None:
                 self.inner.load_state_dict(saved)
         else:
             self.inner.param_groups[0].update(hyper)
         return self.inner
+
+    def _segment_shards(self, inner: TrustRatioOptimizer) -> None:
+        """LARS / LAMB: a shard is a block of a flat buffer of several tensors, and a tensor may
+        straddle two ranks' blocks; each element's trust ratio is its whole tensor's (segment i:
+        the bucket's parameter i; the padding, a segment of its own), norms summed over the group."""
+        engine = self.engine
+        n, rank = engine.world_size, engine.rank
+        group = engine.group if n > 1 else None
+        for bucket, shard in zip(engine.buckets, self.shards, strict=True):
+            ids = torch.full((bucket.buffer.numel(),), len(bucket.params), dtype=torch.long)
+            for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
+                ids[offset:offset + p.numel()] = i
+            inner.set_segments(shard, ids.view(n, -1)[rank].to(shard.device), len(bucket.params) + 1, group)
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:

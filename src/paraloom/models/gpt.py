@@ -4,9 +4,13 @@
 and pipeline stages are slices of it, and tensor parallelism rewrites the blocks in place.
 The attention's fused `qkv` projection has output rows laid out as (3, n_heads, head_dim):
 all query heads, then all key heads, then all value heads. No dropout: runs are deterministic.
+`TP_PLAN` (also `GPT.tp_plan`) says how tensor parallelism splits it; its patterns start with `*`
+so they match the whole GPT and any pipeline stage of it (an nn.Sequential of its pieces) alike.
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +18,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paraloom.errors import UserError
+
+# module-name pattern -> tensor-parallel style (tensor_parallel/plan.py; Shoeybi et al. 2019, figure 3)
+TP_PLAN: dict[str, Any] = {
+    "*.tok": "vocab",  # token embedding: vocabulary ranges
+    "*.pos": "replicate",
+    "*.ln*": "replicate",  # layer norms
+    "*.attn.qkv": {"style": "colwise", "fused": 3, "heads": "n_heads"},  # each rank its heads of q, k, v
+    "*.attn.proj": "rowwise",
+    "*.mlp.fc": "colwise",
+    "*.mlp.proj": "rowwise",
+    "*.out": "colwise",  # vocabulary-sharded logits, for the vocabulary-parallel loss
+}
 
 
 class Embedding(nn.Module):
@@ -87,6 +103,8 @@ class Head(nn.Module):
 
 class GPT(nn.Sequential):
     """`GPT((seq_len,), vocab_size, n_layers=, d_model=, n_heads=, recompute=)`: logits (B, T, vocab)."""
+
+    tp_plan: ClassVar[dict[str, Any]] = TP_PLAN
 
     def __init__(self, input_shape: tuple[int, ...], n_classes: int = 256, *, n_layers: int = 4,
                  d_model: int = 128, n_heads: int = 4, recompute: bool = False, **_: object) -> None:

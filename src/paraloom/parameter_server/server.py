@@ -60,7 +60,8 @@ class ParameterServer:
     """One slice's state; `slot` is the slice's index at its server (its messages' tags)."""
 
     def __init__(self, shard: torch.Tensor, optimizer_factory, *, workers: list[int], bound: int | None,
-                 average: bool, token: int = 0, codec: PushCodec | None = None, slot: int = 0) -> None:
+                 average: bool, token: int = 0, codec: PushCodec | None = None, slot: int = 0,
+                 clip_norm: float | None = None) -> None:
         self.slot = slot
         self.param = torch.nn.Parameter(shard.detach().clone())
         self.param.grad = torch.zeros_like(self.param)
@@ -77,6 +78,8 @@ class ParameterServer:
         self.marked: dict[int, int] = {}  # worker -> clock of its SNAP push awaiting the snapshot
         self.summed = 0  # BSP: finite pushes summed into .grad for the current clock
         self.arrived = 0  # BSP: pushes of the current clock, dropped ones included
+        self.clip_norm = clip_norm  # BSP: clip the mean gradient to this norm over the WHOLE model
+        self.deferred: int | None = None  # clipping: a complete clock's summed pushes, awaiting the norm
         self.staleness: Counter[int] = Counter()  # per applied push: updates applied since its read
         self.read_staleness: Counter[int] = Counter()  # per read: reader's clock - slowest clock
         self.received = {w: 0 for w in workers}  # pushes from each worker, applied or dropped
@@ -123,7 +126,10 @@ class ParameterServer:
         return all(self.clocks[w] >= clock for w in self.workers if w < src)
 
     def answer(self) -> None:
-        """Reply to every pending read the consistency rule now allows."""
+        """Reply to every pending read the consistency rule now allows (none while a clipped step
+        waits for the global norm)."""
+        if self.deferred is not None:
+            return
         began = time.perf_counter()
         self._answer()
         self.busy_seconds += time.perf_counter() - began
@@ -195,13 +201,20 @@ class ParameterServer:
             if self.arrived < n:
                 return
             summed, self.summed, self.arrived = self.summed, 0, 0
+            if summed:
+                self.param.grad.div_(summed)
+            if self.clip_norm is not None:  # the step waits for the norm over every slice: step_clipped
+                self.deferred = summed
+                return
             if summed == 0:  # every push of the clock was dropped: nothing to step with
                 return
-            self.param.grad.div_(summed)
         elif grad is None:
             return
         else:
             torch.div(grad, n, out=self.param.grad)
+        self.step()
+
+    def step(self) -> None:
         self.optimizer.step()
         self.param.grad.zero_()
         self.version += 1
@@ -239,7 +252,8 @@ class ParameterServer:
 
 
 def serve(slices: list[ParameterServer],
-          on_snapshot: Callable[[int, list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+          on_snapshot: Callable[[int, list[dict[str, Any]]], None] | None = None,
+          norm_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Serve one process's slices (slice j has slot j) until every worker has said it is done to
     each; returns the server's metrics, summed over its slices (a push is one slice's gradient).
 
@@ -263,6 +277,8 @@ def serve(slices: list[ParameterServer],
                 continue
             active -= slices[slot].handle(src, message)
             inbox.release(src, slot)  # the next request's receive is posted before the replies go out
+            if all(s.deferred is not None for s in slices):
+                step_clipped(slices, norm_group)
             slices[slot].answer()
             gathering = gathering or bool(slices[slot].marked)
             if gathering and (clock := _snapshot_clock(slices)) is not None:
@@ -285,6 +301,27 @@ def serve(slices: list[ParameterServer],
             "read_staleness": _merged(s.read_staleness for s in slices),
             "busy_seconds": sum(s.busy_seconds for s in slices),  # handling requests (wall clock)
             "cpu_seconds": time.process_time() - cpu}  # all threads, the receiving ones included
+
+
+@torch.no_grad()
+def step_clipped(slices: list[ParameterServer], group: dist.ProcessGroup | None) -> None:
+    """BSP's clipped step of a clock every slice has in full: the mean gradients' global L2 norm
+    (squares summed here, then over `group`, the server processes), each scaled by
+    `min(1, clip_norm / (norm + 1e-6))` as torch's `clip_grad_norm_` does, then each slice steps
+    (a slice whose pushes were all dropped does not) and answers its reads. No worker can push the
+    next clock before these replies, so every server process reaches this once per clock."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for s in slices:
+        sq += s.param.grad.double().square().sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    coef = min(1.0, slices[0].clip_norm / (float(sq.sqrt()) + 1e-6))
+    for s in slices:
+        if s.deferred:
+            s.param.grad.mul_(coef)
+            s.step()
+        s.deferred = None
+        s.answer()
 
 
 def _snapshot_clock(slices: list[ParameterServer]) -> int | None:

@@ -22,6 +22,7 @@ servers' snapshot, lets a fresh client and fresh servers resume exactly there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections import Counter
@@ -75,6 +76,7 @@ class PSClient:
         self._sends: list[list[Any]] = [[] for _ in servers]
         self._pushed = [False] * len(servers)  # this step's gradient of the slice has left
         self._hooks: list[Any] = []
+        self._holding = False  # see holding()
         self._waiting: list[int] = []  # backward: parameters of each slice still without a gradient
 
     def pull(self, *, fresh: bool = False) -> None:
@@ -182,7 +184,19 @@ class PSClient:
             handle.remove()
         self._hooks = []
 
+    @contextlib.contextmanager
+    def holding(self):
+        """Gradient accumulation: backward inside adds to the gradients and pushes nothing; the
+        next backward outside pushes the sum as usual."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
     def _on_grad(self, slices: list[int]) -> None:
+        if self._holding:
+            return
         for i in slices:
             self._waiting[i] -= 1
             if self._waiting[i] == 0 and not self._pushed[i]:

@@ -12,9 +12,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from paraloom.errors import UserError
+from paraloom.models import MODELS
 from paraloom.perfmodel.hardware import Hardware, load_hardware
 from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
 from paraloom.perfmodel.profile import profile_model
+from paraloom.perfmodel.specs import parse_args
 from paraloom.perfmodel.strategies import Estimate, Options, estimate
 from paraloom.rules import UNUSED_SETTINGS, strategy_for
 
@@ -37,7 +39,8 @@ def _table(title: str) -> Table:
 def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: str = "fp32",
              recompute: str = "none", optimizer: str = "adam", plan: str | None = None,
              json_out: Path | None = None, emit: Path | None = None, plot: Path | None = None,
-             floor: float = 0.7, exact_only: bool = False, top: int = 10) -> dict[str, Any]:
+             floor: float = 0.7, exact_only: bool = False, top: int = 10,
+             data: str | None = None) -> dict[str, Any]:
     """Predict one plan (`plan`) or rank every plan at each node count; print, and write what was asked."""
     for path in (json_out, emit, plot):
         if path is not None and not path.parent.is_dir():
@@ -47,7 +50,7 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
     if not 0 < floor <= 1:
         raise UserError(f"--efficiency-floor {floor} must lie in (0, 1]")
     hw = load_hardware(cluster)
-    profile = profile_model(model, dtype=dtype, recompute=recompute)
+    profile = profile_model(model, dtype=dtype, recompute=recompute, data=data)
     options = Options(optimizer=optimizer)
     counts = parse_nodes(nodes)
     console = Console(width=max(Console().width, 130))
@@ -101,36 +104,27 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
         e = top_plan
     if emit is not None:
         emit_nodes = report["recommended"]["nodes"] if "recommended" in report else report["nodes"]
-        emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes))
+        emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes, dtype=dtype, data=data))
         console.print(f"config: {emit} (run it with `paraloom train {emit}`)")
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
     return report
 
 
-def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes: int) -> str:
-    """A config `paraloom train` runs as it is: the model's zoo arguments and the plan's choices."""
-    from paraloom.perfmodel.specs import parse_args
-
-    name, _, args_text = model.partition(":")
-    if "." in name:
-        raise UserError(f"--emit writes configs for zoo models only; {name!r} is a user model: set "
-                        "the plan's keys (printed above) in your own config")
-    args = parse_args(model, args_text)
+def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes: int, *,
+                dtype: str = "fp32", data: str | None = None) -> str:
+    """A config `paraloom train` runs as it is: the model (zoo arguments, or a user's factory and
+    options with the data set `data` names), the precision it was predicted at, the plan's choices."""
     p = e.plan
-    model_cfg: dict[str, Any] = {"name": name}
-    data: dict[str, Any] = {"batch_size": global_batch}
-    notes = []
-    if name == "gpt":
-        model_cfg.update({GPT_KEYS[k]: v for k, v in args.items() if k in GPT_KEYS})
-        data.update({"name": "text", "seq_len": args.get("seq", 128)})
-        if args.get("vocab", 256) != 256:
-            notes.append(f"data.name=text is byte-level: the model gets vocab 256, not {args['vocab']}")
+    notes: list[str] = []
+    if model.strip().partition(":")[0] in MODELS:
+        model_cfg, data_cfg = _zoo_sections(model, global_batch, notes)
     else:
-        model_cfg.update({k: v for k, v in args.items() if k in ("hidden", "depth", "channels")})
+        model_cfg, data_cfg = _user_sections(model, data, global_batch)
     workers = p.dp * p.tp * p.pp
     config = {
-        "model": model_cfg, "data": data,
+        "run": {"precision": dtype},  # an emitted plan trains at the precision it was predicted for
+        "model": model_cfg, "data": data_cfg,
         "parallel": {"mode": "ps" if p.servers else "dp", "nproc": max(1, workers // nodes), "tp": p.tp,
                      "pp": p.pp, "microbatches": p.microbatches, "schedule": p.schedule},
         "comm": {"scheduler": p.scheduler, "algorithm": p.algorithm, "compressor": p.compressor,
@@ -150,3 +144,37 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False)
 
+
+def _zoo_sections(model: str, global_batch: int, notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`model` and `data` sections for a zoo spec (`gpt:layers=4`, `mlp:hidden=256`)."""
+    name, _, args_text = model.strip().partition(":")
+    args = parse_args(model, args_text)
+    model_cfg: dict[str, Any] = {"name": name}
+    data: dict[str, Any] = {"batch_size": global_batch}
+    if name == "gpt":
+        model_cfg.update({GPT_KEYS[k]: v for k, v in args.items() if k in GPT_KEYS})
+        data.update({"name": "text", "seq_len": args.get("seq", 128)})
+        if args.get("vocab", 256) != 256:
+            notes.append(f"data.name=text is byte-level: the model gets vocab 256, not {args['vocab']}")
+    else:
+        model_cfg.update({k: v for k, v in args.items() if k in ("hidden", "depth", "channels")})
+    return model_cfg, data
+
+
+def _factory_section(spec: str) -> dict[str, Any]:
+    """`package.module:factory[:key=value,...]` -> {"name": ..., "options": {...}} of a config."""
+    head, _, rest = spec.strip().partition(":")
+    target, _, args_text = rest.partition(":")
+    section: dict[str, Any] = {"name": f"{head}:{target}"}
+    options = parse_args(spec, args_text)
+    if options:
+        section["options"] = options
+    return section
+
+
+def _user_sections(model: str, data: str | None, global_batch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`model` and `data` sections for a user's model factory and data set factory."""
+    if data is None:
+        raise UserError("--emit for your own model needs --data package.module:factory (the data set it "
+                        "trains on), so that the config it writes runs as it is")
+    return _factory_section(model), {**_factory_section(data), "batch_size": global_batch}

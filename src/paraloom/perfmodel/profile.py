@@ -15,6 +15,7 @@ from torch.utils.flop_counter import flop_registry
 
 from paraloom.errors import UserError
 from paraloom.perfmodel.specs import build_from_spec
+from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPUTE = ("none", "full")
@@ -267,12 +268,22 @@ def _slope(a: object, b: object, db: int) -> object:
     return max(0.0, (b - a) / db)
 
 
+def _pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers profiled one by one: an nn.Sequential's children, the pieces a model lists for
+    pipelines (`pipeline_pieces()`), else the model as one piece."""
+    if isinstance(model, nn.Sequential):
+        return list(model.named_children())
+    if callable(getattr(model, "pipeline_pieces", None)):
+        pieces = model_pieces(model)
+        return list(zip(piece_names(model, pieces), pieces, strict=True))
+    return [(type(model).__name__, model)]
+
+
 @functools.lru_cache(maxsize=16)
-def _profile(spec: str, dtype: str) -> ModelProfile:
-    model, make_input = build_from_spec(spec, "meta")
+def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
+    model, make_input = build_from_spec(spec, "meta", data)
     model.to(DTYPES[dtype]).train()
-    sequence = isinstance(model, nn.Sequential)
-    named = list(model.named_children()) if sequence else [(type(model).__name__, model)]
+    named = _pieces(model)
     shared = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     runs, input_sizes = [], []
     for batch in PROFILE_BATCHES:
@@ -296,11 +307,14 @@ def _profile(spec: str, dtype: str) -> ModelProfile:
                         input_bytes=(input_sizes[1] - input_sizes[0]) / db)
 
 
-def profile_model(spec: str, *, dtype: str = "fp32", recompute: str = "none") -> ModelProfile:
-    """Profile the model a spec names (see `specs.SPEC_HELP`) in `dtype`, with recompute "none" or "full"."""
+def profile_model(spec: str, *, dtype: str = "fp32", recompute: str = "none",
+                  data: str | None = None) -> ModelProfile:
+    """Profile the model a spec names (see `specs.SPEC_HELP`) in `dtype`, with recompute "none" or "full";
+    a user's model may take its example input from the data set `data` names (`package.module:factory`)."""
     _check(dtype, DTYPES, "dtype")
     _check(recompute, RECOMPUTE, "recompute")
-    return replace(_profile(spec.strip() if isinstance(spec, str) else spec, dtype), recompute=recompute)
+    spec = spec.strip() if isinstance(spec, str) else spec
+    return replace(_profile(spec, dtype, data.strip() if data else None), recompute=recompute)
 
 
 __all__ = ["DTYPES", "OPTIMIZER_STATES", "OP_CLASSES", "RECOMPUTE", "LayerProfile", "ModelProfile",

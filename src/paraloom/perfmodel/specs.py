@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 from paraloom.errors import UserError
+from paraloom.factories import call_factory
 from paraloom.models import MODELS
 
 InputMaker = Callable[[int], torch.Tensor]  # batch size -> one input batch
@@ -118,42 +118,54 @@ def _zoo(spec: str, name: str, args: dict[str, Any], device: torch.device) -> tu
     return model, lambda batch: torch.randn(batch, *shape, device=device)
 
 
-def _user(spec: str, target: str, args: dict[str, Any], device: torch.device) -> tuple[nn.Module, InputMaker]:
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"model spec {spec!r}: cannot import {module_name!r} ({exc}); install it or add "
-                        "its folder to PYTHONPATH") from None
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-    if not callable(factory):
-        raise UserError(f"model spec {spec!r}: {module_name} has no callable {attr!r}; name a function "
-                        "that returns the model")
-    try:
-        inspect.signature(factory).bind(**args)
-    except TypeError as exc:
-        raise UserError(f"model spec {spec!r}: {attr} does not take these arguments ({exc})") from None
+def _user(spec: str, target: str, args: dict[str, Any], device: torch.device,
+          data: str | None = None) -> tuple[nn.Module, InputMaker]:
+    """A user's model, as `paraloom train` builds it (`model.name=target`, `model.options=args`),
+    with its example input: from the factory's (model, make_input) pair, the model's
+    `example_input(batch)`, or samples of the data set `data` names (`package.module:factory[:k=v]`)."""
     with device:
-        made = factory(**args)
+        made = call_factory("--model", target, args, returns="a torch.nn.Module")
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module) and callable(made[1]):
         model, maker = made
+    elif isinstance(made, nn.Module) and data is not None:
+        model, maker = made, data_input(data)
     elif isinstance(made, nn.Module) and callable(getattr(made, "example_input", None)):
         model, maker = made, made.example_input
+    elif isinstance(made, nn.Module):
+        model, maker = made, None  # the model alone serves, say, tp_sizes; profiling needs an input
     else:
-        raise UserError(f"model spec {spec!r}: {attr} must return (model, make_input) where "
-                        "make_input(batch) gives an input batch, or a model with example_input(batch)")
+        raise UserError(f"model spec {spec!r}: {target} must return an nn.Module (or (model, make_input) "
+                        f"where make_input(batch) gives an input batch), not {type(made).__name__}")
 
     def make_input(batch: int) -> torch.Tensor:
+        if maker is None:
+            raise UserError(f"model spec {spec!r}: the planner needs an example input; give --data "
+                            "package.module:factory (your data set), or a model with example_input(batch)")
         with device:  # tensors the maker creates land on the device (meta: no memory)
             return maker(batch).to(device)
 
     return model, make_input
 
 
-def build_from_spec(spec: str, device: str | torch.device = "meta") -> tuple[nn.Module, InputMaker]:
-    """The model a spec names, built on `device` (meta: shapes only, no memory), and its input maker."""
+def data_input(data: str) -> InputMaker:
+    """Input batches of the first training samples of the data set `data` names
+    (`package.module:factory[:key=value,...]`, as `data.name` and `data.options` in a config)."""
+    from paraloom.data import collate, load_user_data
+
+    head, _, rest = data.strip().partition(":")
+    target, _, arg_text = rest.partition(":")
+    train = load_user_data(f"{head}:{target}", parse_args(data, arg_text)).train
+
+    def maker(batch: int) -> torch.Tensor:
+        return collate([train[i % len(train)] for i in range(batch)])[0]
+
+    return maker
+
+
+def build_from_spec(spec: str, device: str | torch.device = "meta",
+                    data: str | None = None) -> tuple[nn.Module, InputMaker]:
+    """The model a spec names, built on `device` (meta: shapes only, no memory), and its input maker
+    (a user's model may take it from the data set `data` names)."""
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"the model spec is empty; {SPEC_HELP}")
     spec = spec.strip()
@@ -163,7 +175,7 @@ def build_from_spec(spec: str, device: str | torch.device = "meta") -> tuple[nn.
         return _zoo(spec, head, parse_args(spec, rest), device)
     target, _, arg_text = rest.partition(":")
     if _dotted(head) and _dotted(target):
-        return _user(spec, f"{head}:{target}", parse_args(spec, arg_text), device)
+        return _user(spec, f"{head}:{target}", parse_args(spec, arg_text), device, data)
     if not rest and _dotted(head):
         raise UserError(f"model {head!r} is not in the zoo ({', '.join(MODELS)}); for your own model "
                         "give package.module:factory")
@@ -174,4 +186,4 @@ def _dotted(text: str) -> bool:
     return bool(text) and all(part.isidentifier() for part in text.split("."))
 
 
-__all__ = ["SPEC_HELP", "ZOO_DEFAULTS", "InputMaker", "build_from_spec", "parse_args"]
+__all__ = ["SPEC_HELP", "ZOO_DEFAULTS", "InputMaker", "build_from_spec", "data_input", "parse_args"]

@@ -60,3 +60,29 @@ def stage_module(model: nn.Sequential | Sequence[nn.Module], bounds: Bounds, sta
         raise UserError(f"stage {stage} outside a pipeline of {len(bounds)} stages")
     start, end = bounds[stage]
     return nn.Sequential(*list(model)[start:end])
+
+
+def model_pieces(model: nn.Module) -> list[nn.Module]:
+    """The pieces a model runs in sequence: an `nn.Sequential`'s children, or what its
+    `pipeline_pieces()` lists (each piece's output is the next one's input; together they hold
+    every parameter of the model)."""
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    listed = getattr(model, "pipeline_pieces", None)
+    if not callable(listed):
+        raise UserError(f"{type(model).__name__} is neither an nn.Sequential nor lists its pieces: pipeline "
+                        "and layer parallelism need one of them (define pipeline_pieces() returning the "
+                        "modules forward runs in order)")
+    pieces = list(listed())
+    held = {id(p) for piece in pieces for p in piece.parameters()}
+    missing = [name for name, p in model.named_parameters() if id(p) not in held]
+    if not pieces or missing:
+        raise UserError(f"{type(model).__name__}.pipeline_pieces() must list modules holding every "
+                        f"parameter; it leaves out {', '.join(missing[:4]) or 'everything'}")
+    return pieces
+
+
+def piece_names(model: nn.Module, pieces: Sequence[nn.Module]) -> list[str]:
+    """Each piece's name in `model` (its state-dict prefix); for an nn.Sequential, "0", "1", ..."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names.get(id(piece), str(i)) for i, piece in enumerate(pieces)]

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron, Shoeybi et al. 2019): f/g mappings, parallel layers, GPT surgery."""
+"""Tensor parallelism (Megatron, Shoeybi et al. 2019): f/g mappings, parallel layers, tp plans."""
 
 from paraloom.tensor_parallel.apply import (
     apply_tensor_parallel,
@@ -20,15 +20,19 @@ from paraloom.tensor_parallel.mappings import (
     reduce_from_region,
     scatter_to_region,
 )
+from paraloom.tensor_parallel.plan import apply_tp_plan, check_tp_plan, is_tp_sharded
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
+    "apply_tp_plan",
+    "check_tp_plan",
     "copy_to_region",
     "full_state_dict",
     "gather_from_region",
+    "is_tp_sharded",
     "load_full_state_dict",
     "param_bytes",
     "reduce_from_region",

@@ -5,6 +5,8 @@ name -> split dimension; `full_index`: the unsplit indices along it), so full te
 `from_linear` / `from_embedding` copy the right slice of an unsplit module, so a tensor-parallel model
 built from a seeded full model computes exactly what the full model computes.
 Each layer's `timeline` (None; set by `trace_tensor_parallel`) is handed to the collectives it runs.
+A ColumnParallelLinear that does not gather marks its output as sharded on the last dimension
+(`SHARDED_MARK`; read by `plan.is_tp_sharded`), so vocabulary-sharded logits can be told apart.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from paraloom.trace.timeline import Timeline
 
 Group = dist.ProcessGroup | None
+SHARDED_MARK = "_paraloom_tp_sharded"  # attribute set on a column-parallel layer's sharded output
 
 
 def tp_choices(*sizes: int) -> list[int]:
@@ -44,12 +47,21 @@ def tp_choices(*sizes: int) -> list[int]:
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
-def check_divides(tp: int, name: str, size: int, choices: list[int] | None = None) -> None:
-    """Raise UserError when `tp` ranks cannot split `size` evenly, naming the valid choices."""
+def check_divides(tp: int, name: str, size: int, choices: list[int] | None = None, *,
+                  where: str = "") -> None:
+    """Raise UserError when `tp` ranks cannot split `size` evenly, naming the valid choices
+    (and, given `where`, the module the size belongs to, as a prefix)."""
     if size % tp:
         options = choices if choices is not None else tp_choices(size)
-        raise UserError(f"tp={tp} does not divide {name}={size}; "
+        raise UserError(f"{where + ': ' if where else ''}tp={tp} does not divide {name}={size}; "
                         f"choose tp in {{{', '.join(map(str, options))}}}")
+
+
+def check_plain_embedding(embedding: nn.Embedding, name: str = "the nn.Embedding") -> None:
+    """Refuse an embedding a vocabulary split cannot reproduce (padding_idx, max_norm, sparse)."""
+    if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+        raise UserError(f"a vocabulary-parallel embedding supports plain lookups only; "
+                        f"build {name} without padding_idx, max_norm and sparse")
 
 
 def _index(selection: slice | torch.Tensor | list[int] | None, full: int, group: Group,
@@ -108,8 +120,13 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The full output with `gather_output`; else this rank's features, marked as sharded on the
+        last dimension (a later op returns an unmarked tensor: hand logits on as this layer gives them)."""
         y = F.linear(copy_to_region(x, self.group, self.timeline), self.weight, self.bias)
-        return gather_from_region(y, self.group, self.timeline) if self.gather_output else y
+        if self.gather_output:
+            return gather_from_region(y, self.group, self.timeline)
+        setattr(y, SHARDED_MARK, True)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -185,9 +202,7 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: Group = None) -> VocabParallelEmbedding:
         """This rank's vocabulary range of `embedding` (plain lookups only: no padding_idx or max_norm)."""
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
-            raise UserError("a vocabulary-parallel embedding supports plain lookups only; "
-                            "build the nn.Embedding without padding_idx, max_norm and sparse")
+        check_plain_embedding(embedding)
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
                     device=embedding.weight.device, dtype=embedding.weight.dtype)
         with torch.no_grad():
@@ -248,3 +263,6 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     timeline = timeline if group_size(group) > 1 else None  # one rank: the all-reduces are copies
     losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), targets.flatten(), group, timeline)
     return losses.mean().to(local_logits.dtype)
+
+
+PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

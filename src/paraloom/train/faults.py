@@ -120,7 +120,11 @@ class FaultInjector:
         def after(module: nn.Module, args, out):
             if slow and len(began) == 1:  # the step's first forward (a pipeline stage runs several)
                 self.stretch(step, time.perf_counter() - began[0])
-            return out * float("nan") if poison and isinstance(out, torch.Tensor) else out
+            if not (poison and isinstance(out, torch.Tensor)):
+                return out
+            poisoned = out * float("nan")
+            poisoned.__dict__.update(out.__dict__)  # the output's marks (vocabulary-sharded logits)
+            return poisoned
 
         handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
         try:

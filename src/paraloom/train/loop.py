@@ -10,7 +10,6 @@ it finds there (an elastic restart or `--resume`).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -18,12 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from paraloom.comm.objects import broadcast_text, gather_floats
 from paraloom.config import Config
 from paraloom.config_faults import parse_faults
-from paraloom.data import ShardedBatches, Split, load_dataset
+from paraloom.data import DataSets, ShardedBatchSampler, collate, load_dataset, load_user_data, split_datasets
 from paraloom.errors import UserError
+from paraloom.rules import is_factory
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
 from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
@@ -43,9 +44,14 @@ def shared_run_dir(run_dir: Path | None) -> Path | None:
     return Path(text) if text is not None else None
 
 
-def load_split(cfg: Config, device: torch.device) -> Split:
-    data_kwargs = dataclasses.asdict(cfg.data)
-    return load_dataset(data_kwargs.pop("name"), **data_kwargs).to(device)
+def load_data(cfg: Config) -> DataSets:
+    """The training and evaluation sets `data.*` names: a user's factory, or a built-in data set."""
+    if is_factory(cfg.data.name):
+        return load_user_data(cfg.data.name, cfg.data.options)
+    kwargs = dataclasses.asdict(cfg.data)
+    for key in ("name", "options", "workers"):
+        kwargs.pop(key)
+    return split_datasets(load_dataset(cfg.data.name, **kwargs))
 
 
 def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
@@ -56,11 +62,11 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     run_dir = shared_run_dir(run_dir)
     if cfg.run.trace and run_dir is None:
         raise UserError("run.trace=true needs a run directory; give train() one on rank 0")
-    split = load_split(cfg, device)
+    data = load_data(cfg)
     timeline = Timeline(dist.get_rank()) if cfg.run.trace else None
-    strategy = make_strategy(cfg, split, device=device, timeline=timeline)
+    strategy = make_strategy(cfg, data, device=device, timeline=timeline)
     try:
-        loop = Loop(cfg, strategy, split, run_dir, device=device, timeline=timeline, started_at=started_at)
+        loop = Loop(cfg, strategy, data, run_dir, device=device, timeline=timeline, started_at=started_at)
         return loop.serve() if strategy.serves else loop.run()
     finally:
         strategy.close()
@@ -69,21 +75,24 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
 class Loop:
     """One rank's run: the step loop and everything around it, for any strategy."""
 
-    def __init__(self, cfg: Config, strategy: Strategy, split: Split, run_dir: Path | None, *,
+    def __init__(self, cfg: Config, strategy: Strategy, data: DataSets, run_dir: Path | None, *,
                  device: torch.device, timeline: Timeline | None, started_at: float) -> None:
-        self.cfg, self.strategy, self.split, self.run_dir = cfg, strategy, split, run_dir
+        self.cfg, self.strategy, self.run_dir = cfg, strategy, run_dir
         self.device, self.timeline, self.started_at = device, timeline, started_at
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
-        n_train = len(split.y_train)
+        n_train = len(data.train)
         self.per_epoch = steps_per_epoch(cfg, n_train, drop_last=strategy.drop_last)
         if self.per_epoch == 0:
             raise UserError(f"data.batch_size={cfg.data.batch_size} exceeds the {n_train} training samples; "
                             "lower it")
         self.total_steps = planned_steps(cfg, n_train, drop_last=strategy.drop_last)
-        self.batches = ShardedBatches(n_train, cfg.data.batch_size, rank=strategy.dp_rank,
-                                      world=strategy.dp_world_size, seed=cfg.run.seed,
-                                      shuffle=cfg.data.shuffle)
+        self.sampler = ShardedBatchSampler(n_train, cfg.data.batch_size, rank=strategy.dp_rank,
+                                           world=strategy.dp_world_size, seed=cfg.run.seed,
+                                           shuffle=cfg.data.shuffle, drop_last=strategy.drop_last)
+        self.loader = DataLoader(data.train, batch_sampler=self.sampler, collate_fn=collate,
+                                 num_workers=cfg.data.workers, persistent_workers=cfg.data.workers > 0,
+                                 pin_memory=device.type == "cuda")
         self.faults = FaultInjector(parse_faults(cfg.run.inject) if cfg.run.inject else [], rank=self.rank,
                                     world_size=dist.get_world_size(strategy.group), seed=cfg.run.seed,
                                     run_dir=run_dir)
@@ -175,26 +184,24 @@ class Loop:
 
     def run_epoch(self, epoch: int) -> None:
         """The steps of `epoch` from the current position: a resumed run takes a straight run's batches."""
-        order = itertools.islice(self.batches.epoch(epoch), self.step % self.per_epoch, None)
-        for local_idx, global_count in order:
+        self.sampler.set_epoch(epoch, start=self.step % self.per_epoch)
+        counts, scales = self.sampler.global_counts(), self.sampler.loss_scales()
+        for (x, y), global_count, scale in zip(self.loader, counts, scales, strict=True):
             if self.step == self.total_steps:
                 return
-            if self.strategy.drop_last and global_count < self.cfg.data.batch_size:
-                continue  # the short last batch: micro-batches keep one size
-            self.one_step(epoch, local_idx, global_count)
+            self.one_step(epoch, x, y, global_count, scale)
 
-    def one_step(self, epoch: int, local_idx: torch.Tensor, global_count: int) -> None:
+    def one_step(self, epoch: int, x: torch.Tensor, y: torch.Tensor, global_count: int, scale: float) -> None:
         step, timeline = self.step + 1, self.timeline
         self.faults.before_step(step)
         if timeline is not None:  # steps 2 .. 1 + trace_steps (1-based)
             timeline.active = 1 <= self.step <= self.cfg.run.trace_steps
             step_start = timeline.now()
         self.operation = "training step (forward, backward, synchronization, update)"
-        local_idx = local_idx.to(self.device)
-        x, y = self.split.x_train[local_idx], self.split.y_train[local_idx]
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         saving = self.saves_after(step)
         with self.faults.during(step, self.strategy.model):
-            result = self.strategy.train_step(x, y, global_count, step=step, saving=saving)
+            result = self.strategy.train_step(x, y, global_count, scale=scale, step=step, saving=saving)
         self.faults.computed(result.compute_seconds - self.faults.slept)
         self.step = step
         self.guard(result)
@@ -218,8 +225,10 @@ class Loop:
         if result.stepped:
             self.bad_in_row = 0
             return
-        self.bad_in_row += 1
         self.counters["skipped"] += 1
+        if result.scaler_skip:  # fp16's loss scale backed off: expected now and then, not a bad step
+            return
+        self.bad_in_row += 1
         if self.is_main:
             print(f"paraloom: warning: step {self.step} skipped: non-finite gradients", file=sys.stderr)
         limit = self.cfg.guard.max_bad_steps
@@ -247,8 +256,13 @@ class Loop:
                              "comm_bytes": comm_bytes / steps_since,
                              "comm_seconds": comm_seconds / steps_since,
                              "skipped_steps": self.counters["skipped"],
-                             "rss_mb": [round(r, 1) for r in rss], **strategy.metrics()})
+                             "rss_mb": [round(r, 1) for r in rss], **self.scale_field(),
+                             **strategy.metrics()})
         self.logged = (step, self.counters["samples"], now)
+
+    def scale_field(self) -> dict[str, float]:
+        scale = self.strategy.loss_scale()
+        return {} if scale is None else {"loss_scale": scale}
 
     def gather(self, value: float) -> list[float]:
         """`value` of every rank of the strategy's group, in rank order (collective)."""
@@ -289,6 +303,8 @@ class Loop:
             "rss_peak_mb_per_rank": self.gather(memory_mb()[1]),
             "device": str(self.device), "backend": dist.get_backend(),
         }
+        if strategy.loss_scale() is not None:  # fp16: every rank's scale (they back off alike)
+            summary["loss_scale_per_rank"] = self.gather(strategy.loss_scale())
         summary.update(strategy.summary())
         if self.timeline is not None:
             trace_dir = self.run_dir / "trace"

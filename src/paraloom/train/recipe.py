@@ -1,27 +1,51 @@
-"""What the strategies train with: the engine, optimizer, batch loss, test accuracy and step count."""
+"""What the strategies train with: model, engine, batch loss, evaluation, step count (optimizer: optim/)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import inspect
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from paraloom.comm.collectives import CommStats
 from paraloom.config import CommConfig, Config, OptimConfig
-from paraloom.data import Split
+from paraloom.data import DataSets, collate
 from paraloom.data_parallel import DataParallel, DataParallelNaive
-from paraloom.models import build_model
+from paraloom.errors import UserError
+from paraloom.models import MODELS, build_model
+from paraloom.models.user import load_user_model
+from paraloom.rules import is_factory
 from paraloom.topology import RankGroups
 
 
-def make_model(cfg: Config, split: Split) -> nn.Module:
-    """The zoo model `model.*` names, shaped for `split`."""
-    options = dataclasses.asdict(cfg.model)
-    return build_model(options.pop("name"), split.input_shape, split.n_classes, **options)
+def make_model(cfg: Config, data: DataSets) -> nn.Module:
+    """The model `model.*` names: a user's factory, or a zoo model shaped for `data`."""
+    name, options = cfg.model.name, cfg.model.options
+    if is_factory(name):
+        return load_user_model(name, options)
+    if data.n_classes is None:
+        raise UserError(f"model.name={name} needs the number of classes; give the data set's DataSets "
+                        "n_classes=")
+    fields = dataclasses.asdict(cfg.model)
+    for key in ("name", "options", "tp_plan"):
+        fields.pop(key)
+    if name in MODELS:  # the zoo's constructors take (and ignore) any keyword: refuse a typo
+        params = inspect.signature(MODELS[name]).parameters.values()
+        takes = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(takes))
+        if unknown:
+            raise UserError(f"model.options {', '.join(unknown)}: model.name={name} does not take "
+                            f"{'it' if len(unknown) == 1 else 'them'}; it takes: {', '.join(takes)}")
+    return build_model(name, input_shape(data), data.n_classes, **{**fields, **options})  # options win
+
+
+def input_shape(data: DataSets) -> tuple[int, ...]:
+    """The shape of one training input (its first sample's)."""
+    return tuple(torch.as_tensor(data.train[0][0]).shape)
 
 
 def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups, stats: CommStats, timeline=None,
@@ -44,70 +68,80 @@ def dgc_options(comm: CommConfig, optim: OptimConfig) -> dict[str, float] | None
     return {"momentum": optim.momentum if optim.name == "sgd" else 0.0}
 
 
-def make_optimizer(cfg: OptimConfig, params, comm: CommConfig | None = None) -> torch.optim.Optimizer:
-    """SGD or Adam from `optim.*`, with torch's fused kernels where the parameters allow them.
-
-    The fused update is one kernel over all parameters; on CPU it takes a tenth of the time of the
-    default per-tensor loop (1.1 ms against 11.9 ms for Adam on a 2.2M-parameter MLP, one thread),
-    which is time every step spends outside communication.
-    """
-    params = list(params)
-    if cfg.name == "sgd":
-        momentum = 0.0 if comm is not None and comm.compressor == "dgc" else cfg.momentum  # see dgc_options
-        make = functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=momentum, weight_decay=cfg.weight_decay)
-    else:
-        make = functools.partial(torch.optim.Adam, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if _fusable(params):
-        return make(params, fused=True)
-    return make(params)
-
-
-def _fusable(params: list) -> bool:
-    """Fused optimizer kernels take floating-point tensors on CPU or CUDA, all on one device type."""
-    tensors = [p["params"] if isinstance(p, dict) else [p] for p in params]
-    flat = [t for group in tensors for t in group]
-    return bool(flat) and all(t.is_floating_point() for t in flat) and \
-        len({t.device.type for t in flat}) == 1 and flat[0].device.type in ("cpu", "cuda")
-
-
-def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, global_count: int,
-               dp_world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, scale: float,
+               loss: str = "classification") -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to back-propagate, summed loss of this shard's samples).
 
-    The back-propagated loss is sum / global_count * dp_world_size, so that averaging gradients
-    over the data-parallel group gives exactly the gradient of the global batch's mean loss,
-    even when the last batch of an epoch splits unevenly (see data/sharding.py). A sample with
-    several targets (a sequence's tokens) counts by its mean loss per target.
+    The back-propagated loss is the shard's summed loss times `scale`, dp_world_size / global_count
+    (0 for a rank's padding sample when its slice of a short batch is empty, see
+    data/sampler.py), so that averaging gradients over the data-parallel group gives exactly the
+    gradient of the global batch's mean loss. A sample with several targets (a sequence's tokens)
+    counts by its mean loss per target; a model that returns its loss (`loss="model"`) is taken to
+    return the mean over its batch.
     """
-    out = model(x)
-    per_sample = y[0].numel() if y.dim() > 1 else 1
-    loss_sum = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum") / per_sample
-    return loss_sum * (dp_world_size / global_count), loss_sum.detach()
+    if loss == "model":
+        loss_sum = model(x, y) * len(x)
+    else:
+        out = model(x)
+        per_sample = y[0].numel() if y.dim() > 1 else 1
+        flat = out.reshape(-1, out.shape[-1])
+        loss_sum = F.cross_entropy(flat, y.reshape(-1), reduction="sum") / per_sample
+    reported = loss_sum.detach() if scale else torch.zeros_like(loss_sum.detach())
+    return loss_sum * scale, reported
+
+
+def eval_batches(data: DataSets, group: dist.ProcessGroup | None, device: torch.device,
+                 batch: int = 1024, workers: int = 0):
+    """(x, y) batches of this rank's slice of the evaluation set (all of it without `group`)."""
+    n = len(data.eval)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    mine = torch.arange(n).tensor_split(world)[rank]
+    loader = DataLoader(data.eval, batch_sampler=[c.tolist() for c in mine.split(batch)],
+                        collate_fn=collate, num_workers=workers)
+    for x, y in loader:
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def score(out: torch.Tensor | None, y: torch.Tensor, loss: str, *, model_loss=None) -> torch.Tensor:
+    """[summed loss per target, correct predictions, targets] of one evaluation batch (float64)."""
+    if loss == "model":
+        return torch.tensor([float(model_loss) * len(y), 0.0, float(len(y))], dtype=torch.float64)
+    flat = out.reshape(-1, out.shape[-1]).float()
+    return torch.stack([F.cross_entropy(flat, y.reshape(-1), reduction="sum").double(),
+                        (flat.argmax(dim=-1) == y.reshape(-1)).sum().double(),
+                        torch.tensor(float(y.numel()), dtype=torch.float64, device=out.device)]).cpu()
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, split: Split, group: dist.ProcessGroup | None, batch: int = 1024) -> float:
-    """Test accuracy per target; each rank of `group` scores a slice and the counts are summed."""
+def evaluate(model: nn.Module, data: DataSets, group: dist.ProcessGroup | None, device: torch.device,
+             workers: int = 0) -> dict[str, float | None]:
+    """{"test_accuracy", "val_loss"} on the evaluation set: each rank of `group` scores a slice and
+    the sums are added (without `group`: this rank alone, on all of it, without communication).
+    A model that returns its own loss has no accuracy (None)."""
     model.eval()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    x = split.x_test.tensor_split(world)[rank]
-    y = split.y_test.tensor_split(world)[rank]
-    correct = torch.zeros((), dtype=torch.float64, device=split.x_test.device)
-    for xb, yb in zip(x.split(batch), y.split(batch), strict=True):
-        correct += (model(xb).argmax(dim=-1) == yb).sum()
-    dist.all_reduce(correct, group=group)
+    sums = torch.zeros(3, dtype=torch.float64)
+    for xb, yb in eval_batches(data, group, device, workers=workers):
+        if data.loss == "model":
+            sums += score(None, yb, data.loss, model_loss=model(xb, yb))
+        else:
+            sums += score(model(xb), yb, data.loss)
+    if group is not None:
+        dist.all_reduce(sums, group=group)
     model.train()
-    return float(correct) / split.y_test.numel()
+    return results_of(sums, data.loss)
 
 
-@torch.no_grad()
-def local_accuracy(model: nn.Module, split: Split, batch: int = 1024) -> float:
-    """Test accuracy of this rank's model on the whole test set, without communication."""
-    model.eval()
-    correct = sum(int((model(xb).argmax(dim=-1) == yb).sum())
-                  for xb, yb in zip(split.x_test.split(batch), split.y_test.split(batch), strict=True))
-    model.train()
-    return correct / split.y_test.numel()
+def results_of(sums: torch.Tensor, loss: str) -> dict[str, float | None]:
+    """Summary fields of evaluation sums [loss, correct, targets]."""
+    targets = max(float(sums[2]), 1.0)
+    return {"test_accuracy": None if loss == "model" else float(sums[1]) / targets,
+            "val_loss": float(sums[0]) / targets}
+
+
+def chunks(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A shard cut into `k` accumulation micro-batches (fewer when it has fewer samples: none empty)."""
+    n = max(1, min(k, len(x)))
+    return list(zip(x.tensor_split(n), y.tensor_split(n), strict=True))
 
 
 def steps_per_epoch(cfg: Config, dataset_size: int, *, drop_last: bool = False) -> int:

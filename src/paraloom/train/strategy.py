@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from paraloom.config import Config
-from paraloom.data import Split
+from paraloom.data import DataSets
 from paraloom.rules import strategy_for
 from paraloom.trace import Timeline
 from paraloom.train.strategies import Strategy
@@ -20,7 +20,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def make_strategy(cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> Strategy:
+def make_strategy(cfg: Config, data: DataSets, *, device: torch.device,
+                  timeline: Timeline | None) -> Strategy:
     """The strategy the config asks for (parallel.mode, tp, pp), placed on this rank."""
     name = strategy_for(mode=cfg.parallel.mode, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
-    return STRATEGIES[name](cfg, split, device=device, timeline=timeline)
+    return STRATEGIES[name](cfg, data, device=device, timeline=timeline)

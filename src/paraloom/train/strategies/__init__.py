@@ -1,7 +1,7 @@
 """What a strategy is: the base class every strategy extends, and what one step returns.
 
 A strategy holds only what differs between kinds of parallelism: placing the model on this rank's
-groups (its constructor, `Strategy(cfg, split, device=, timeline=)`, after the loop has seeded
+groups (its constructor, `Strategy(cfg, data, device=, timeline=)`, after the loop has seeded
 torch), one training step, evaluation, its checkpoint state and its summary fields; the loop
 (train/loop.py) does the rest. The implementations live here, beside the loop, rather than in the
 packages of their parallelism: they speak the loop's language (steps, checkpoint state, summary
@@ -23,6 +23,7 @@ class StepResult(NamedTuple):
     stepped: bool  # False: the non-finite guard skipped the update (alike on every rank)
     loss: torch.Tensor | None  # this rank's share of the batch loss, for `Strategy.loss_value`
     compute_seconds: float  # forward and backward computation of this rank, waits excluded
+    scaler_skip: bool = False  # a skip that was fp16's loss scaler backing off (not a bad step)
 
 
 class Strategy(ABC):
@@ -41,10 +42,11 @@ class Strategy(ABC):
         """After any resume, before the first step."""
 
     @abstractmethod
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
         """Forward, backward, sync and update of 1-based `step` on this rank's shard `x`, `y` of a
-        global batch of `global_count` samples; `saving`: a checkpoint follows it."""
+        global batch of `global_count` samples, its summed loss weighed by `scale` (dp_world_size /
+        global_count; 0 for a padding sample, see data/sampler.py); `saving`: a checkpoint follows."""
 
     @abstractmethod
     def loss_value(self, result: StepResult, global_count: int) -> float:
@@ -61,6 +63,10 @@ class Strategy(ABC):
     def metrics(self) -> dict[str, Any]:
         """This strategy's own fields of a metrics line."""
         return {}
+
+    def loss_scale(self) -> float | None:
+        """fp16's loss scale now (None: no loss scaling)."""
+        return None
 
     def epoch_end(self) -> float | Callable[[], float] | None:
         """run.eval_every_epoch: test accuracy now, or a callable that gives it after training."""
@@ -95,14 +101,17 @@ class Strategy(ABC):
 
 
 class EngineStrategy(Strategy):
-    """A strategy that syncs through the data-parallel engine (`engine`, `stats`, `optimizer`)."""
+    """A strategy that syncs through the data-parallel engine (`engine`, `stats`, `recipe`)."""
 
     def take_comm(self) -> tuple[int, float]:
         comm = self.stats.take()
         return comm.bytes, comm.seconds
 
     def learning_rate(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.recipe.learning_rate()
+
+    def loss_scale(self) -> float | None:
+        return self.recipe.scaler.scale if self.recipe.scaler is not None else None
 
     def close(self) -> None:
         self.engine.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -11,17 +12,17 @@ from torch import nn
 
 from paraloom.comm.collectives import CommStats
 from paraloom.config import Config
-from paraloom.data import Split
+from paraloom.data import DataSets
+from paraloom.optim.recipe import Recipe
 from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.recipe import (
     batch_loss,
+    chunks,
     evaluate,
-    local_accuracy,
     make_engine,
     make_model,
-    make_optimizer,
     planned_steps,
 )
 from paraloom.train.strategies import EngineStrategy, StepResult
@@ -31,39 +32,46 @@ class DataParallelStrategy(EngineStrategy):
     """Every rank trains the whole model on its shard of the batch; the engine syncs gradients."""
 
 
-    def __init__(self, cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> None:
-        self.cfg, self.split = cfg, split
+    def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
+                 timeline: Timeline | None) -> None:
+        self.cfg, self.data, self.device = cfg, data, device
         self.groups = Topology.for_world(dist.get_world_size()).init_groups()
         self.dp_rank, self.dp_world_size = self.groups.dp_rank, self.groups.dp_world_size
-        self.model = make_model(cfg, split).to(device)
+        self.model = make_model(cfg, data).to(device)
         if timeline is not None:
             trace_modules(self.model, timeline)  # the bare model: its layers, not the engine's wrapper
         self.stats = CommStats()
         self.engine = make_engine(self.model, cfg.comm, self.groups, self.stats, timeline, cfg.optim)
         if cfg.guard.nan:
             self.engine.guard_nonfinite()
-        self.optimizer = make_optimizer(cfg.optim, self.model.parameters(), cfg.comm)
+        total = planned_steps(cfg, len(data.train))
+        self.recipe = Recipe(cfg, self.model.parameters(), total_steps=total, device=device)
+        self.optimizer = self.recipe.optimizer
         self.sparse = None
         if cfg.sparse.sparsity > 0:
-            self.sparse = SparseTraining(cfg.sparse, self.model, self.engine, self.groups.dp_group,
-                                         planned_steps(cfg, len(split.y_train)))
+            self.sparse = SparseTraining(cfg.sparse, self.model, self.engine, self.groups.dp_group, total)
         self.resumed = False
 
     def begin(self) -> None:
         if self.sparse is not None and not self.resumed:
             self.sparse.after_step(0)  # a one-shot schedule at step 0 prunes before training
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
-        began = time.perf_counter()
-        loss, loss_sum = batch_loss(self.engine, x, y, global_count=global_count,
-                                    dp_world_size=self.dp_world_size)
-        loss.backward()
+        began, recipe = time.perf_counter(), self.recipe
+        pieces, loss_sum = chunks(x, y, recipe.accumulate), 0.0
+        for i, (xs, ys) in enumerate(pieces):
+            with self.engine.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():  # sync once
+                with recipe.autocast():
+                    loss, part = batch_loss(self.engine, xs, ys, scale=scale, loss=self.data.loss)
+                recipe.backward(loss)
+            loss_sum = part.float() + loss_sum
         computed = time.perf_counter() - began
         stepped = self.engine.step(self.optimizer)  # synchronize, update, zero the gradients (bucket views)
+        own_skip = recipe.after_step(stepped)
         if self.sparse is not None:
             self.sparse.after_step(step)
-        return StepResult(stepped, loss_sum, computed)
+        return StepResult(stepped, loss_sum, computed, own_skip)
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
         dist.all_reduce(result.loss, group=self.groups.dp_group)  # metric only, not counted
@@ -71,23 +79,26 @@ class DataParallelStrategy(EngineStrategy):
 
     def epoch_end(self) -> float | None:
         """Rank 0's replica on the whole test set, without communication."""
-        return local_accuracy(self.model, self.split) if dist.get_rank() == 0 else None
+        return evaluate(self.model, self.data, None, self.device)["test_accuracy"] \
+            if dist.get_rank() == 0 else None
 
     def finish(self) -> dict[str, Any]:
         self.engine.finish()  # deferred updates and the last delayed all-reduce land before evaluating
-        return {"test_accuracy": evaluate(self.model, self.split, self.groups.dp_group)}
+        return evaluate(self.model, self.data, self.groups.dp_group, self.device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.model.state_dict() if dist.get_rank() == 0 else None
 
     def state_dict(self) -> dict[str, Any]:
         state = engine_state(self.model, self.optimizer, self.engine)
+        state["recipe"] = self.recipe.state_dict()
         if self.sparse is not None:
             state["sparse"] = self.sparse.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_engine_state(self.model, self.optimizer, self.engine, state)
+        self.recipe.load_state_dict(state["recipe"])
         if self.sparse is not None:
             self.sparse.load_state_dict(state["sparse"])
         self.resumed = True

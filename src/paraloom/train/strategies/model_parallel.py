@@ -12,6 +12,7 @@ holds its own shard) and resume on the same grid; the saved model is the whole o
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any
@@ -20,25 +21,39 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from paraloom.comm.collectives import CommStats, default_timeout
 from paraloom.comm.objects import gather_floats
 from paraloom.config import Config
-from paraloom.data import Split
+from paraloom.data import DataSets, Split, collate
+from paraloom.data.text import VOCAB, unigram_loss
 from paraloom.errors import UserError
+from paraloom.optim.recipe import Recipe
+from paraloom.optim.trust import TrustRatioOptimizer
 from paraloom.pipeline_parallel import PipelineStage, split_microbatches, stage_module
+from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 from paraloom.pipeline_parallel.stages import balance, bubbles, gather_stages
 from paraloom.tensor_parallel import (
-    apply_tensor_parallel,
+    apply_tp_plan,
     full_state_dict,
+    is_tp_sharded,
     param_bytes,
     tp_loss,
     trace_tensor_parallel,
 )
+from paraloom.tensor_parallel.layers import PARALLEL_LAYERS
 from paraloom.tensor_parallel.mappings import gather_from_region
 from paraloom.topology import Topology
 from paraloom.trace import Timeline, trace_modules
-from paraloom.train.recipe import make_engine, make_model, make_optimizer
+from paraloom.train.recipe import (
+    eval_batches,
+    make_engine,
+    make_model,
+    planned_steps,
+    results_of,
+    score,
+)
 from paraloom.train.strategies import EngineStrategy, StepResult
 
 EVAL_BATCH = 64
@@ -59,8 +74,10 @@ class ModelParallelStrategy(EngineStrategy):
 
     drop_last = True
 
-    def __init__(self, cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> None:
-        self.cfg, self.split, self.device = cfg, split, device
+    def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
+                 timeline: Timeline | None) -> None:
+        self.cfg, self.data, self.device = cfg, data, device
+        total_steps = planned_steps(cfg, len(data.train), drop_last=True)
         world = dist.get_world_size()
         self.grid = cfg.grid(world)
         dp, tp, pp = self.grid
@@ -71,11 +88,13 @@ class ModelParallelStrategy(EngineStrategy):
         self.first, self.last = groups.pp_is_first_stage, groups.pp_is_last_stage
         self.m = 1 if cfg.parallel.mode == "layers" else cfg.parallel.microbatches
         self.schedule = "layers" if cfg.parallel.mode == "layers" else cfg.parallel.schedule
-        self.model = self._place(split, device)
+        self.model = self._place(data, device)
         if timeline is not None:
             trace_modules(self.model, timeline)
             trace_tensor_parallel(self.model, timeline)
-        self.loss_fn = (lambda out, y: tp_loss(out, y, groups.tp_group)) if tp > 1 else flat_loss
+        self.loss_fn = lambda out, y: (tp_loss(out, y, groups.tp_group) if is_tp_sharded(out)
+                                       else flat_loss(out, y))  # vocabulary-parallel logits or whole ones
+        self.loss_factor = 1.0  # of the loss back-propagated: fp16's scale / the accumulated runs
         self.stats = CommStats()
         comm_group = None
         if cfg.comm.scheduler == "priority":  # its collectives get a twin of the dp group, made on every rank
@@ -86,44 +105,89 @@ class ModelParallelStrategy(EngineStrategy):
                                   comm_group=comm_group)
         if cfg.guard.nan:  # every rank of the grid skips alike: the flag is all-reduced over all of them
             self.engine.guard_nonfinite(group=dist.new_group(list(range(world)), timeout=default_timeout()))
-        self.optimizer = make_optimizer(cfg.optim, self.model.parameters(), cfg.comm)
+        self.recipe = Recipe(cfg, self.model.parameters(), total_steps=total_steps, device=device,
+                             clip_group=self._replica_group(), counted=self._counted())
+        self.optimizer = self.recipe.optimizer
+        if isinstance(self.optimizer, TrustRatioOptimizer):  # LARS / LAMB: a shard's ratio is its tensor's
+            for p in self._sharded():
+                self.optimizer.set_segments(p, None, 1, groups.tp_group)
         self.stage = PipelineStage(self.engine, pp_group=groups.pp_group,
-                                   loss_fn=self.loss_fn if self.last else None,
+                                   loss_fn=(lambda out, y: self.loss_fn(out, y) * self.loss_factor)
+                                   if self.last else None,
                                    static_shapes=True, timeline=timeline)  # every step's micro-batches alike
         self.step_seconds: list[float] = []
         self.peak_activation = 0
 
-    def _place(self, split: Split, device: torch.device) -> nn.Module:
-        """Build the whole model, keep this rank's stage, split it over the tp group."""
+    def _place(self, data: DataSets, device: torch.device) -> nn.Module:
+        """Build the whole model, balance its pieces over the stages, split it over the tp group
+        by its plan (names as the user's model has them), keep this rank's stage."""
         cfg, (dp, tp, pp) = self.cfg, self.grid
-        full = make_model(cfg, split)
-        if not isinstance(full, nn.Sequential):
-            raise UserError(f"model.name={cfg.model.name} is not a sequence of pieces; pipeline and "
-                            "layer parallelism need one")
-        if pp > len(full):
-            raise UserError(f"{pp} pipeline stages exceed model.name={cfg.model.name}'s {len(full)} pieces; "
-                            "lower parallel.pp or use a deeper model")
-        per_replica = cfg.data.batch_size // dp
-        sample = split.x_train[: per_replica // self.m]
-        self.bounds = balance(list(full), pp, by=cfg.parallel.balance, sample=sample)
+        if data.loss == "model":
+            raise UserError("tensor and pipeline parallelism compute the loss on the last stage; a data set "
+                            "whose model returns its own loss (loss='model') trains under dp or ps only")
+        full = make_model(cfg, data)
+        pieces = model_pieces(full)
+        if pp > len(pieces):
+            raise UserError(f"{pp} pipeline stages exceed model.name={cfg.model.name}'s {len(pieces)} "
+                            "pieces; lower parallel.pp or use a deeper model")
+        per_replica = cfg.data.batch_size // dp // cfg.optim.accumulate
+        sample = next(iter(DataLoader(data.train, batch_size=per_replica // self.m, collate_fn=collate)))[0]
+        self.bounds = balance(pieces, pp, by=cfg.parallel.balance, sample=sample)
         # the whole model's keys and shapes, for gathering it into one state dict (save_model)
-        self.full_shapes = {key: (value.shape, value.dtype) for key, value in full.state_dict().items()}
-        module = stage_module(full, self.bounds, self.groups.pp_rank)
+        self.full_shapes = {key: (value.shape, value.dtype)
+                            for key, value in nn.Sequential(*pieces).state_dict().items()}
+        self.names = piece_names(full, pieces)
         if tp > 1:
-            apply_tensor_parallel(module, self.groups.tp_group)
-        return module.to(device)
+            plan = cfg.model.tp_plan or getattr(full, "tp_plan", None)
+            if not plan:
+                raise UserError(f"parallel.tp={tp} needs a tensor-parallel plan: set model.tp_plan "
+                                "(pattern -> colwise/rowwise/vocab/replicate) or give the model one")
+            apply_tp_plan(full, plan, self.groups.tp_group)
+            pieces = model_pieces(full)  # a piece the plan replaced is its parallel layer now
+        return stage_module(pieces, self.bounds, self.groups.pp_rank).to(device)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
-        began = time.perf_counter()
-        inputs = split_microbatches(x, self.m) if self.first else None
-        targets = split_microbatches(y, self.m) if self.last else None
-        loss, measured = self.stage.step(self.schedule, inputs, targets, n_microbatches=self.m,
-                                         no_sync=self.engine.no_sync)
+        began, recipe, k = time.perf_counter(), self.recipe, self.recipe.accumulate
+        scale = recipe.scaler.scale if recipe.scaler is not None else 1.0  # (batches are whole: drop_last)
+        self.loss_factor, loss, busy = scale / k, None, 0.0
+        for i, (xs, ys) in enumerate(zip(x.tensor_split(k), y.tensor_split(k), strict=True)):
+            inputs = split_microbatches(xs, self.m) if self.first else None
+            targets = split_microbatches(ys, self.m) if self.last else None
+            with self.engine.no_sync() if i < k - 1 else contextlib.nullcontext(), recipe.autocast():
+                part, measured = self.stage.step(self.schedule, inputs, targets, n_microbatches=self.m,
+                                                 no_sync=self.engine.no_sync)
+            loss = part if loss is None else loss + part if part is not None else None
+            busy += measured.busy_seconds
+            self.peak_activation = max(self.peak_activation, measured.peak_activation_bytes)
         stepped = self.engine.step(self.optimizer)
+        own_skip = recipe.after_step(stepped)
         self.step_seconds.append(time.perf_counter() - began)
-        self.peak_activation = max(self.peak_activation, measured.peak_activation_bytes)
-        return StepResult(stepped, loss, measured.busy_seconds)
+        return StepResult(stepped, loss / scale if loss is not None else None, busy, own_skip)
+
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold this replica's model once (its tp x pp ranks): the global norm's sum."""
+        topology, mine = self.groups.topology, None
+        if topology.tp * topology.pp == 1:
+            return None
+        for d in range(topology.dp):
+            ranks = sorted(topology.rank(pp=p, dp=d, tp=t)
+                           for p in range(topology.pp) for t in range(topology.tp))
+            group = dist.new_group(ranks, timeout=default_timeout())  # every rank makes every group
+            mine = group if self.groups.rank in ranks else mine
+        return mine
+
+    def _sharded(self) -> list[nn.Parameter]:
+        """The parameters tensor parallelism split (each rank holds a slice), in module order."""
+        return [getattr(m, leaf) for m in self.model.modules() if isinstance(m, PARALLEL_LAYERS)
+                for leaf in m.sharded]
+
+    def _counted(self):
+        """A parameter counts toward the global norm on every tp rank when it is a shard, and on tp
+        rank 0 only when the tp group holds it whole."""
+        sharded = {id(p) for p in self._sharded()}
+        first = self.groups.tp_rank == 0
+        return lambda p: first or id(p) in sharded
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
         """Mean over data-parallel replicas of the last stages' losses (tp rank 0 of each counts)."""
@@ -135,45 +199,38 @@ class ModelParallelStrategy(EngineStrategy):
     def metrics(self) -> dict[str, Any]:
         return {"step_seconds": self.step_seconds[-1]} if self.step_seconds else {}
 
-    def epoch_end(self) -> float:
-        return self.evaluate()[1]
+    def epoch_end(self) -> float | None:
+        return self.evaluate()["test_accuracy"]
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """(mean validation loss, accuracy per target) through the pipeline, forward only.
+    def evaluate(self) -> dict[str, float | None]:
+        """{"test_accuracy", "val_loss"} through the pipeline, forward only.
 
         Data-parallel replicas score disjoint slices; the first stage feeds, middle stages relay,
-        the last stage scores (with tensor parallelism, the vocabulary-parallel logits are gathered
-        for the argmax). The sums are all-reduced over every rank, counted once per replica.
+        the last stage scores (vocabulary-parallel logits are gathered for the argmax). The sums
+        are all-reduced over every rank, counted once per replica.
         """
-        split, groups = self.split, self.groups
+        groups = self.groups
         self.model.eval()
-        x = split.x_test.tensor_split(self.dp_world_size)[self.dp_rank]
-        y = split.y_test.tensor_split(self.dp_world_size)[self.dp_rank]
         sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, targets
-        for xb, yb in zip(x.split(EVAL_BATCH), y.split(EVAL_BATCH), strict=True):
+        for xb, yb in eval_batches(self.data, groups.dp_group, self.device, batch=EVAL_BATCH):
             out = self.stage.infer(xb if self.first else None, module=self.model)
             if out is None:
                 continue
-            n = yb.numel()
-            sums[0] += float(self.loss_fn(out, yb)) * n
-            logits = gather_from_region(out, groups.tp_group) if groups.tp_world_size > 1 else out
-            sums[1] += int((logits.argmax(dim=-1) == yb).sum())
-            sums[2] += n
+            logits = gather_from_region(out, groups.tp_group) if is_tp_sharded(out) else out
+            sums += score(logits, yb, self.data.loss)
         if not (self.last and groups.tp_rank == 0):
             sums.zero_()
         dist.all_reduce(sums, group=self.group)
         self.model.train()
-        return float(sums[0] / sums[2]), float(sums[1] / sums[2])
+        return results_of(sums, self.data.loss)
 
     def finish(self) -> dict[str, Any]:
         self.engine.finish()
-        val_loss, accuracy = self.evaluate()
-        results = {"test_accuracy": accuracy, "val_loss": val_loss}
+        results = self.evaluate()
         if self.cfg.data.name == "text":
-            from paraloom.data.text import unigram_loss
-
-            results["unigram_loss"] = unigram_loss(self.split)
+            results["unigram_loss"] = unigram_loss(Split(self.data.train.x, self.data.train.y,
+                                                         self.data.eval.x, self.data.eval.y, VOCAB))
         return results
 
     @torch.no_grad()
@@ -184,11 +241,20 @@ class ModelParallelStrategy(EngineStrategy):
         mine = full_state_dict(self.model, groups.tp_group) if groups.tp_world_size > 1 else \
             self.model.state_dict()
         sources = [groups.topology.rank(pp=stage, dp=0, tp=0) for stage in range(self.grid[2])]
-        return gather_stages(mine, self.bounds, groups.pp_rank, self.full_shapes,
-                             sender=groups.dp_rank == 0 and groups.tp_rank == 0, source_of=sources)
+        whole = gather_stages(mine, self.bounds, groups.pp_rank, self.full_shapes,
+                              sender=groups.dp_rank == 0 and groups.tp_rank == 0, source_of=sources)
+        if whole is None:
+            return None
+        # keys as the user's model names them ("3.weight" -> "blocks.1.weight" for listed pieces)
+        renamed = {}
+        for key, value in whole.items():
+            index, _, rest = key.partition(".")
+            prefix = self.names[int(index)]
+            renamed[f"{prefix}.{rest}" if prefix else rest] = value
+        return renamed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"grid": list(self.grid), "model": self.model.state_dict(),
+        return {"grid": list(self.grid), "model": self.model.state_dict(), "recipe": self.recipe.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "engine": self.engine.comm_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -197,6 +263,7 @@ class ModelParallelStrategy(EngineStrategy):
                             f"this run is {list(self.grid)}: resume on the same grid")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.recipe.load_state_dict(state["recipe"])
         if "engine" in state:
             self.engine.load_comm_state_dict(state["engine"])
 

@@ -14,6 +14,7 @@ and data position). Non-finite pushes are dropped by the servers and counted, ne
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -25,8 +26,11 @@ import torch.distributed as dist
 from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import gather_floats, gather_json
 from paraloom.config import Config
-from paraloom.data import Split
+from paraloom.data import DataSets
 from paraloom.errors import UserError
+from paraloom.optim import lr_factor
+from paraloom.optim.precision import autocast
+from paraloom.optim.recipe import schedule_options, server_optimizer
 from paraloom.parameter_server.consistency import staleness_bound
 from paraloom.parameter_server.message import PushCodec
 from paraloom.parameter_server.server import ParameterServer, serve
@@ -36,13 +40,19 @@ from paraloom.parameter_server.worker import PSClient
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.recipe import (
     batch_loss,
+    chunks,
     dgc_options,
     evaluate,
-    local_accuracy,
     make_model,
-    make_optimizer,
+    planned_steps,
 )
 from paraloom.train.strategies import StepResult, Strategy
+
+
+@torch.no_grad()
+def clip_flat(grad: torch.Tensor, max_norm: float) -> None:
+    """`clip_grad_norm_` on one flat gradient: scaled by min(1, max_norm / (norm + 1e-6))."""
+    grad.mul_((max_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
 
 
 def draw_token() -> int:
@@ -55,10 +65,11 @@ def draw_token() -> int:
 class ParameterServerStrategy(Strategy):
     """Workers push gradients to and pull parameters from sharded servers (BSP, ASP or SSP)."""
 
-    def __init__(self, cfg: Config, split: Split, *, device: torch.device, timeline: Timeline | None) -> None:
+    def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
+                 timeline: Timeline | None) -> None:
         if device.type != "cpu":  # config refuses run.device=cuda and the worker picks the CPU
             raise UserError("the parameter_server strategy runs on CPU (gloo) so far; use run.device=cpu")
-        self.cfg, self.split = cfg, split
+        self.cfg, self.data, self.device = cfg, data, device
         rank, world = dist.get_rank(), dist.get_world_size()
         self.n_servers = cfg.ps.servers
         self.n_workers = world - self.n_servers
@@ -69,7 +80,11 @@ class ParameterServerStrategy(Strategy):
         # checkpoints' barriers run beside the point-to-point traffic: on a group of their own
         self.checkpoint_group = dist.new_group(list(range(world)), timeout=default_timeout())
         self.dp_rank, self.dp_world_size = min(rank, self.n_workers - 1), self.n_workers
-        self.model = make_model(cfg, split)
+        clip, bsp = cfg.optim.clip_norm, cfg.ps.consistency == "bsp"
+        # BSP clips the mean gradient: the servers sum their slices' squares over a group of their own
+        self.norm_group = dist.new_group(list(range(self.n_workers, world)), timeout=default_timeout()) \
+            if clip is not None and bsp and self.n_servers > 1 else None
+        self.model = make_model(cfg, data)
         n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         layout = slice_layout(n_params, self.n_servers, max(1, int(cfg.ps.partition_mb * 2**20 / 4)))  # fp32
         self.bounds = [(lo, hi) for _, lo, hi in layout]
@@ -79,16 +94,20 @@ class ParameterServerStrategy(Strategy):
         compressor = None if cfg.comm.compressor == "none" else cfg.comm.compressor
         codecs = [PushCodec(hi - lo, compressor, options) for lo, hi in self.bounds]
         if self.serves:
+            average, total_steps = cfg.ps.consistency == "bsp", planned_steps(cfg, len(data.train))
             flat, _ = flatten_model(self.model)
             mine = [i for i, owner in enumerate(servers) if owner == rank]
             self.slices = [ParameterServer(
                 flat[self.bounds[i][0]:self.bounds[i][1]],
-                lambda params: make_optimizer(cfg.optim, params, cfg.comm),
+                lambda params: server_optimizer(cfg, params, total_steps=total_steps,
+                                                updates_per_step=1 if average else self.n_workers),
                 workers=list(range(self.n_workers)),
                 bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
-                average=cfg.ps.consistency == "bsp", token=token, codec=codecs[i], slot=slot)
+                average=average, token=token, codec=codecs[i], slot=slot,
+                clip_norm=clip if average else None)
                 for slot, i in enumerate(mine)]
             return
+        self.total_steps = planned_steps(cfg, len(data.train))
         if timeline is not None:
             trace_modules(self.model, timeline)
         self.client = PSClient(self.model, servers, bounds=self.bounds, token=token, codecs=codecs)
@@ -99,7 +118,8 @@ class ParameterServerStrategy(Strategy):
 
     def serve(self, save: Callable[[int, dict[str, Any]], None]) -> dict[str, Any]:
         """Serve until every worker is done; a snapshot of every slice is a checkpoint of its clock."""
-        stats = serve(self.slices, on_snapshot=lambda clock, states: save(clock, {"slices": states}))
+        stats = serve(self.slices, on_snapshot=lambda clock, states: save(clock, {"slices": states}),
+                      norm_group=self.norm_group)
         gather_json({"server": dist.get_rank() - self.n_workers, **stats}, self.checkpoint_group)
         return {"server": dist.get_rank() - self.n_workers, **stats}
 
@@ -116,15 +136,24 @@ class ParameterServerStrategy(Strategy):
         self.rows = [(time.time(), 0.0)]
         self.cpu_start, self.samples = time.process_time(), 0
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, step: int,
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
         client = self.client
         if saving:
             client.mark_snapshot()
         began, waited = time.perf_counter(), client.wait_seconds
-        loss, loss_sum = batch_loss(self.model, x, y, global_count=global_count, dp_world_size=self.n_workers)
-        loss.backward()  # with overlap, each slice's push leaves from here
+        pieces, loss_sum = chunks(x, y, self.cfg.optim.accumulate), 0.0
+        clip = self.cfg.optim.clip_norm if self.cfg.ps.consistency != "bsp" else None
+        for i, (xs, ys) in enumerate(pieces):
+            holds = i < len(pieces) - 1 or clip is not None  # one push, after the clip if any
+            with client.holding() if holds else contextlib.nullcontext():
+                with autocast(self.device, self.cfg.run.precision):
+                    loss, part = batch_loss(self.model, xs, ys, scale=scale, loss=self.data.loss)
+                loss.backward()  # with overlap, each slice's push leaves from here
+            loss_sum = part.float() + loss_sum
         computed = time.perf_counter() - began - (client.wait_seconds - waited)  # waiting is not computing
+        if clip is not None:  # ASP/SSP: each push clipped by its own norm, at its worker
+            clip_flat(client.flat_grad, clip)
         client.push()
         if not self.cfg.ps.overlap and not saving:  # else forward loads each slice when it first needs it
             client.pull()  # the parameters of the next step, as the consistency rule allows
@@ -134,7 +163,13 @@ class ParameterServerStrategy(Strategy):
         return StepResult(client.last_push_finite, loss_sum, computed)
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
-        return float(result.loss) / max(1, self.count)  # this worker's slice of the batch
+        """BSP: the global batch's mean loss (the workers step in lockstep anyway); ASP/SSP: this
+        worker's slice's, so that logging never makes the workers wait for each other."""
+        if self.cfg.ps.consistency != "bsp":
+            return float(result.loss) / max(1, self.count)
+        total = result.loss.detach().double().reshape(1)
+        dist.all_reduce(total, group=self.group)  # metric only, not counted
+        return float(total) / global_count
 
     def take_comm(self) -> tuple[int, float]:
         if self.serves:
@@ -144,7 +179,10 @@ class ParameterServerStrategy(Strategy):
         return now[0] - taken[0], now[1] - taken[1]
 
     def learning_rate(self) -> float:
-        return self.cfg.optim.lr  # the servers' optimizers run at optim.lr
+        """The rate the servers' schedule gives this worker's clock (BSP: exactly theirs)."""
+        step = min(self.client.clock, self.total_steps)
+        return self.cfg.optim.scaled_lr(self.cfg.data.batch_size) * lr_factor(
+            step, **schedule_options(self.cfg, self.total_steps))
 
     def metrics(self) -> dict[str, Any]:
         client = self.client
@@ -166,7 +204,7 @@ class ParameterServerStrategy(Strategy):
     def _accuracy_of(self, flat: torch.Tensor) -> float:
         final = self.client.flat.clone()
         self.client.flat.copy_(flat)
-        accuracy = local_accuracy(self.model, self.split)
+        accuracy = evaluate(self.model, self.data, None, self.device)["test_accuracy"]
         self.client.flat.copy_(final)
         return accuracy
 
@@ -177,12 +215,12 @@ class ParameterServerStrategy(Strategy):
         dist.barrier(group=self.group)  # every worker's last push is applied: read the final state
         client.pull(fresh=True)
         client.close()
-        accuracy = evaluate(self.model, self.split, self.group)
+        results = evaluate(self.model, self.data, self.group, self.device)
         waits = gather_floats([client.wait_seconds, cpu_seconds, client.pushes_sent], self.group)
         rows = [torch.zeros(len(self.rows), 2, dtype=torch.float64) for _ in range(self.n_workers)]
         dist.all_gather(rows, torch.tensor(self.rows, dtype=torch.float64), group=self.group)
         self.waits, self.throughput = waits, all_workers_throughput(rows)
-        return {"test_accuracy": accuracy}
+        return results
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.model.state_dict() if dist.get_rank() == 0 else None

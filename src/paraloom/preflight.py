@@ -1,0 +1,60 @@
+"""Before any worker starts: the model, data set and recipe a config names, built once and checked.
+
+A user's factories are imported and called here, in the launching process, so that a factory that
+does not import, raises, takes other options or returns the wrong thing is one line and exit 2
+rather than a traceback on every rank. The model is built on the meta device (shapes, no memory);
+a tensor-parallel plan is checked against it, a pipeline against its pieces, the optimizer's name
+and options against torch.optim, injected faults against the run's steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paraloom.config import Config
+from paraloom.config_faults import check_faults, parse_faults
+from paraloom.data import DataSets
+from paraloom.errors import UserError
+from paraloom.optim import check_optimizer
+from paraloom.pipeline_parallel.partition import model_pieces
+from paraloom.tensor_parallel import check_tp_plan
+from paraloom.train.loop import load_data
+from paraloom.train.recipe import make_model, planned_steps
+from paraloom.train.strategy import STRATEGIES
+
+
+def preflight(cfg: Config, world: int) -> DataSets:
+    """Check what `cfg` trains on `world` workers (after `cfg.validate_world`); the data sets built."""
+    check_optimizer(cfg.optim.name, cfg.optim.options)
+    data = load_data(cfg)
+    with torch.device("meta"):
+        model = make_model(cfg, data)
+    if cfg.parallel.model_parallel:
+        check_model_parallel(cfg, model, world)
+    if cfg.run.inject is not None:
+        steps = planned_steps(cfg, len(data.train), drop_last=STRATEGIES[cfg.strategy].drop_last)
+        check_faults(parse_faults(cfg.run.inject), world, steps)
+    return data
+
+
+def check_model_parallel(cfg: Config, model: torch.nn.Module, world: int) -> None:
+    """The pieces a pipeline places and the plan tensor parallelism splits by, at this grid."""
+    _, tp, pp = cfg.grid(world)
+    if pp > 1 or cfg.parallel.mode == "layers":
+        pieces = model_pieces(model)
+        if pp > len(pieces):
+            raise UserError(f"parallel.pp={pp} stages exceed model.name={cfg.model.name}'s {len(pieces)} "
+                            "pieces; lower parallel.pp or use a deeper model")
+    if tp > 1:
+        plan = tp_plan_of(cfg, model)
+        check_tp_plan(model, plan, tp)
+
+
+def tp_plan_of(cfg: Config, model: torch.nn.Module):
+    """`model.tp_plan` from the config, else the model's own `tp_plan` attribute."""
+    plan = cfg.model.tp_plan or getattr(model, "tp_plan", None)
+    if not plan:
+        raise UserError(f"parallel.tp={cfg.parallel.tp} needs a tensor-parallel plan: set model.tp_plan "
+                        "(module-name pattern -> colwise/rowwise/vocab/replicate) or give the model a "
+                        "tp_plan attribute")
+    return plan
