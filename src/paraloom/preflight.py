@@ -17,15 +17,22 @@ from paraloom.data import DataSets
 from paraloom.errors import UserError
 from paraloom.optim import check_optimizer
 from paraloom.pipeline_parallel.partition import model_pieces
+from paraloom.rules import is_factory
 from paraloom.tensor_parallel import check_tp_plan
 from paraloom.train.loop import load_data
 from paraloom.train.recipe import make_model, planned_steps
 from paraloom.train.strategy import STRATEGIES
 
 
-def preflight(cfg: Config, world: int) -> DataSets:
-    """Check what `cfg` trains on `world` workers (after `cfg.validate_world`); the data sets built."""
+def preflight(cfg: Config, world: int) -> DataSets | None:
+    """Check what `cfg` trains on `world` workers (after `cfg.validate_world`); the data sets built,
+    or None where nothing needs them: a zoo model on a built-in data set, no model options, no
+    model parallelism and no faults are checked by the config alone (loading digits here would
+    add seconds to every run's start)."""
     check_optimizer(cfg.optim.name, cfg.optim.options)
+    if not (is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options
+            or cfg.parallel.model_parallel or cfg.run.inject is not None):
+        return None
     data = load_data(cfg)
     with torch.device("meta"):
         model = make_model(cfg, data)

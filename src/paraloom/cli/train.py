@@ -78,11 +78,23 @@ def train(
                 raise UserError(f"ps.servers={cfg.ps.servers} leaves no worker on {nodes.describe()}; "
                                 "give the cluster more nodes than servers")
         cfg.validate_world(world)
-        from paraloom.preflight import preflight
+        if _needs_preflight(cfg):  # importing the training stack costs the launcher seconds
+            from paraloom.preflight import preflight
 
-        preflight(cfg, world)
+            preflight(cfg, world)
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
+
+
+def _needs_preflight(cfg) -> bool:
+    """Whether anything the config alone cannot check is in play: a user's factory, model options,
+    model parallelism, injected faults, an optimizer other than the usual ones or its options."""
+    from paraloom.choices import OPTIMIZERS
+    from paraloom.rules import is_factory
+
+    return bool(is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options
+                or cfg.parallel.model_parallel or cfg.run.inject is not None
+                or cfg.optim.name.lower() not in OPTIMIZERS or cfg.optim.options)
 
 
 def _resumable(run_dir: Path) -> Path:
