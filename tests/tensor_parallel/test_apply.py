@@ -76,8 +76,15 @@ def train(model, optimizer_name, loss_fn, batches):
 
 
 def reference(optimizer_name, batches):
-    model = make_gpt()
-    losses = train(model, optimizer_name, full_loss, batches)
+    """One unsplit process, on one thread as the workers are: with more, a matmul may sum in another
+    order, and Adam's scale-free steps carry that last bit past fp32 tolerances."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_gpt()
+        losses = train(model, optimizer_name, full_loss, batches)
+    finally:
+        torch.set_num_threads(threads)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
