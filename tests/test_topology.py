@@ -45,6 +45,14 @@ def test_tensor_parallel_neighbours_are_adjacent_ranks():
     assert topo.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
+def test_groups_along_several_axes_hold_one_replica_each():
+    topo = Topology(dp=2, tp=2, pp=2)
+    assert topo.groups("tp", "pp") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # one per dp index
+    assert topo.groups("pp", "dp", "tp") == [list(range(8))]
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        topo.groups("tp", "ep")
+
+
 def test_bad_factorisation_names_the_valid_choices():
     with pytest.raises(UserError, match=r"tp=3 x pp=1 does not divide 8 ranks; choose tp in \{1, 2, 4, 8\}"):
         Topology.for_world(8, tp=3)

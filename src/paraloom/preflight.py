@@ -13,14 +13,14 @@ import torch
 
 from paraloom.config import Config
 from paraloom.config_faults import check_faults, parse_faults
-from paraloom.data import DataSets
+from paraloom.data import DataSets, load_data
 from paraloom.errors import UserError
+from paraloom.models.make import make_model
 from paraloom.optim import check_optimizer
 from paraloom.pipeline_parallel.partition import model_pieces
 from paraloom.rules import is_factory
 from paraloom.tensor_parallel import check_tp_plan
-from paraloom.train.loop import load_data
-from paraloom.train.recipe import make_model, planned_steps
+from paraloom.train.recipe import planned_steps
 from paraloom.train.strategy import STRATEGIES
 
 

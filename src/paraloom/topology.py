@@ -68,19 +68,26 @@ class Topology:
     def rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
         return (pp * self.dp + dp) * self.tp + tp
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group along `axis`: ranks that differ only in that coordinate, in rank order."""
-        if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; axes: {', '.join(AXES)}")
+    def groups(self, *axes: str) -> list[list[int]]:
+        """Every group along `axes`: ranks that differ only in those coordinates, in rank order
+        (`groups("tp", "pp")`: the ranks that together hold one data-parallel replica)."""
+        for axis in axes:
+            if axis not in AXES:
+                raise ValueError(f"unknown axis {axis!r}; axes: {', '.join(AXES)}")
         out: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.world_size):
             c = self.coord(r)._asdict()
-            key = tuple(v for name, v in c.items() if name != axis)
+            key = tuple(v for name, v in c.items() if name not in axes)
             out.setdefault(key, []).append(r)
         return list(out.values())
 
     def group_of(self, axis: str, rank: int) -> list[int]:
         return next(g for g in self.groups(axis) if rank in g)
+
+    def new_group(self, *axes: str, timeout: timedelta | None = None) -> dist.ProcessGroup:
+        """This rank's process group along `axes` (collective: every rank makes every such group)."""
+        groups = self.groups(*axes)
+        return dist.new_subgroups_by_enumeration(groups, timeout=timeout or default_timeout())[0]
 
     def init_groups(self, timeout: timedelta | None = None) -> RankGroups:
         """Create the process groups of every axis (collective: all ranks must call it)."""
@@ -90,13 +97,8 @@ class Topology:
             raise UserError(f"topology dp={self.dp} tp={self.tp} pp={self.pp} needs "
                             f"{self.world_size} ranks, but {dist.get_world_size()} are running")
         rank = dist.get_rank()
-        handles = {}
-        for axis in AXES:
-            if getattr(self, axis) == self.world_size:
-                handles[axis] = dist.group.WORLD
-            else:
-                handles[axis], _ = dist.new_subgroups_by_enumeration(
-                    self.groups(axis), timeout=timeout if timeout is not None else default_timeout())
+        handles = {axis: dist.group.WORLD if getattr(self, axis) == self.world_size
+                   else self.new_group(axis, timeout=timeout) for axis in AXES}
         return RankGroups(self, rank, handles["dp"], handles["tp"], handles["pp"])
 
 

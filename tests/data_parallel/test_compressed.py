@@ -80,9 +80,9 @@ def test_unsupported_combinations_are_refused(kwargs, message):
 
 def test_dgc_takes_over_sgd_momentum():
     """DGC's momentum correction replaces SGD's momentum; with Adam it runs without momentum."""
+    from paraloom.compress.dgc import dgc_options
     from paraloom.config import CommConfig, Config, OptimConfig
     from paraloom.optim.recipe import Recipe
-    from paraloom.train.recipe import dgc_options
 
     def make_optimizer(optim, params, comm=None):
         cfg = Config(optim=optim, comm=comm or CommConfig())

@@ -21,9 +21,9 @@ import torch
 from distributed import run_workers
 
 from paraloom.config import load_config
+from paraloom.data import load_data
+from paraloom.models.make import make_model
 from paraloom.train import train
-from paraloom.train.loop import load_data
-from paraloom.train.recipe import make_model
 
 MLP = ["model.name=mlp", "model.hidden=16", "data.name=synthetic", "data.n_samples=256", "data.batch_size=32"]
 GPT = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=1000", "model.d_model=16",

@@ -14,9 +14,9 @@ from distributed import run_workers
 
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.data_parallel import DataParallel
+from paraloom.data_parallel.checkpoint import engine_state, load_engine_state
 from paraloom.models import build_model
 from paraloom.optim import make_optimizer
-from paraloom.train.strategies.data_parallel import engine_state, load_engine_state
 
 N, K = 8, 3  # steps in all; the checkpoint is taken after step K
 SAMPLES = 96

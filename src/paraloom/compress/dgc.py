@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,18 @@ from paraloom.compress.topk import (
     unpack_sparse,
 )
 from paraloom.errors import UserError
+
+if TYPE_CHECKING:
+    from paraloom.config import CommConfig, OptimConfig
+
+def dgc_options(comm: CommConfig, optim: OptimConfig) -> dict[str, float] | None:
+    """DGC's momentum correction replaces the optimizer's momentum (Lin et al. 2018): with SGD the
+    compressor takes optim.momentum and the optimizer runs without it; Adam keeps its own moments,
+    so DGC runs without momentum correction (sampled top-k with error feedback)."""
+    if comm.compressor != "dgc":
+        return None
+    return {"momentum": optim.momentum if optim.name == "sgd" else 0.0}
+
 
 MIN_SAMPLED_KEPT = 8  # the sample is grown until its own top set has this many entries (a stable quantile)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 from paraloom.data.digits import load_digits
 from paraloom.data.sampler import ShardBatch, ShardedBatchSampler
 from paraloom.data.sharding import ShardedBatches
@@ -17,6 +20,10 @@ from paraloom.data.user import (
     split_datasets,
 )
 from paraloom.errors import UserError
+from paraloom.rules import is_factory
+
+if TYPE_CHECKING:
+    from paraloom.config import Config
 
 DATASETS = {"digits": load_digits, "synthetic": make_synthetic, "text": load_text}
 
@@ -27,6 +34,16 @@ def load_dataset(name: str, **kwargs) -> Split:
     return DATASETS[name](**kwargs)
 
 
+def load_data(cfg: Config) -> DataSets:
+    """The training and evaluation sets `data.*` names: a user's factory, or a built-in data set."""
+    if is_factory(cfg.data.name):
+        return load_user_data(cfg.data.name, cfg.data.options)
+    kwargs = dataclasses.asdict(cfg.data)
+    for key in ("name", "options", "workers"):
+        kwargs.pop(key)
+    return split_datasets(load_dataset(cfg.data.name, **kwargs))
+
+
 __all__ = ["DATASETS", "LOSSES", "DataSets", "ShardBatch", "ShardedBatchSampler", "ShardedBatches", "Split",
-           "TensorPairs", "collate", "load_dataset", "load_digits", "load_text",
+           "TensorPairs", "collate", "load_data", "load_dataset", "load_digits", "load_text",
            "load_user_data", "make_synthetic", "split_datasets", "unigram_loss"]

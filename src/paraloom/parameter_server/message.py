@@ -18,10 +18,12 @@ point message costs ~1 ms of latency here, a copy of a 2 MB shard ~0.3 ms.
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from paraloom.compress import make_compressor
 from paraloom.errors import UserError
@@ -45,6 +47,14 @@ def reply_tag(slot: int) -> int:
 def run_token(run_id: str) -> int:
     """A 31-bit token for a run id; workers present it, servers compare it with their own."""
     return zlib.crc32(run_id.encode()) & 0x7FFFFFFF
+
+
+def draw_token() -> int:
+    """A 31-bit token drawn by rank 0 for this attempt, on every rank (collective): a restarted run
+    draws anew, so servers refuse requests left over from an earlier attempt."""
+    token = torch.tensor([int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF], dtype=torch.int64)
+    dist.broadcast(token, src=0)
+    return int(token)
 
 
 class Message:

@@ -99,6 +99,12 @@ class PSClient:
         self._pushed = [False] * len(self.servers)
         self.last_push_finite, self._finite, self._snap = self._finite, True, False
 
+    @torch.no_grad()
+    def clip_grad(self, max_norm: float) -> None:
+        """`clip_grad_norm_` on this step's whole gradient (before `push`): scaled by
+        min(1, max_norm / (norm + 1e-6))."""
+        self.flat_grad.mul_((max_norm / (self.flat_grad.norm() + 1e-6)).clamp(max=1.0))
+
     def mark_snapshot(self) -> None:
         """Make this step's pushes SNAP pushes: the servers snapshot their state at the clock they
         bring, before answering. Call it before backward, which may push slices (`attach()`)."""

@@ -49,12 +49,14 @@ def balance(pieces: list[nn.Module], pp: int, *, by: str, sample: torch.Tensor) 
 @torch.no_grad()
 def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: int,
                   shapes: dict[str, tuple[torch.Size, torch.dtype]], *, sender: bool,
-                  source_of: list[int]) -> dict[str, torch.Tensor] | None:
+                  source_of: list[int], names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on global rank 0 (collective over rank 0 and the senders).
 
     `stage_state`: this stage's whole (unsplit) state, its pieces counted from 0; `shapes`: the
     model's keys in order, with shapes and dtypes; `sender`: whether this rank sends its stage
     (one per stage, `source_of[stage]` its global rank). Tensors go point-to-point in key order.
+    `names`: each piece's name in the model (`partition.piece_names`), to key the result as the
+    model does ("3.weight" -> "blocks.1.weight"); without it, keys count pieces.
     """
     mine = {}
     for key, value in stage_state.items():
@@ -74,12 +76,18 @@ def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: i
             else:
                 out[key] = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(out[key], source_of[stage_of(key)])
-        return out
+        return out if names is None else {_renamed(key, names): value for key, value in out.items()}
     if sender:
         for key in shapes:
             if stage_of(key) == stage:
                 dist.send(mine[key].contiguous(), 0)
     return None
+
+
+def _renamed(key: str, names: list[str]) -> str:
+    index, _, rest = key.partition(".")
+    prefix = names[int(index)]
+    return f"{prefix}.{rest}" if prefix else rest
 
 
 def bubbles(per_rank: torch.Tensor, pp: int, m: int) -> dict[str, object]:

@@ -5,6 +5,7 @@ from paraloom.tensor_parallel.apply import (
     full_state_dict,
     load_full_state_dict,
     param_bytes,
+    sharded_parameters,
     tp_loss,
     trace_tensor_parallel,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "param_bytes",
     "reduce_from_region",
     "scatter_to_region",
+    "sharded_parameters",
     "tp_loss",
     "trace_tensor_parallel",
     "vocab_parallel_cross_entropy",

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from paraloom.models.gpt import TP_PLAN
 from paraloom.tensor_parallel.layers import PARALLEL_LAYERS, vocab_parallel_cross_entropy
 from paraloom.tensor_parallel.mappings import group_size
-from paraloom.tensor_parallel.plan import apply_tp_plan
+from paraloom.tensor_parallel.plan import apply_tp_plan, is_tp_sharded
 
 if TYPE_CHECKING:
     from paraloom.trace.timeline import Timeline
@@ -47,12 +48,20 @@ def trace_tensor_parallel(module: nn.Module, timeline: Timeline | None) -> int:
 
 def tp_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None = None,
             timeline: Timeline | None = None) -> torch.Tensor:
-    """Mean token cross-entropy of vocabulary-parallel logits (B, T, vocab / tp) against targets (B, T).
-
-    Replaces `F.cross_entropy(logits.flatten(0, 1), targets.flatten())` on a tensor-parallel GPT;
-    `timeline` records its collectives (lane "tp") while active.
+    """Mean cross-entropy of logits (B, C) or (B, T, V) against targets (B,) or (B, T): of
+    vocabulary-parallel logits (a column-parallel layer left them split, `is_tp_sharded`) over
+    `group`, of whole logits as `F.cross_entropy` on them flattened. `timeline` records the
+    collectives (lane "tp") while active.
     """
+    if not is_tp_sharded(logits):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return vocab_parallel_cross_entropy(logits, targets, group, timeline)
+
+
+def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters tensor parallelism split (each rank of the tp group holds a slice), in order."""
+    layers = [m for m in module.modules() if isinstance(m, PARALLEL_LAYERS)]
+    return [getattr(layer, leaf) for layer in layers for leaf in layer.sharded]
 
 
 def param_bytes(module: nn.Module) -> int:

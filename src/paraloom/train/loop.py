@@ -9,7 +9,6 @@ it finds there (an elastic restart or `--resume`).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -22,9 +21,8 @@ from torch.utils.data import DataLoader
 from paraloom.comm.objects import broadcast_text, gather_floats
 from paraloom.config import Config
 from paraloom.config_faults import parse_faults
-from paraloom.data import DataSets, ShardedBatchSampler, collate, load_dataset, load_user_data, split_datasets
+from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
 from paraloom.errors import UserError
-from paraloom.rules import is_factory
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
 from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
@@ -44,16 +42,6 @@ def shared_run_dir(run_dir: Path | None) -> Path | None:
     return Path(text) if text is not None else None
 
 
-def load_data(cfg: Config) -> DataSets:
-    """The training and evaluation sets `data.*` names: a user's factory, or a built-in data set."""
-    if is_factory(cfg.data.name):
-        return load_user_data(cfg.data.name, cfg.data.options)
-    kwargs = dataclasses.asdict(cfg.data)
-    for key in ("name", "options", "workers"):
-        kwargs.pop(key)
-    return split_datasets(load_dataset(cfg.data.name, **kwargs))
-
-
 def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
           started_at: float | None = None) -> dict[str, Any]:
     """Run the whole job on this rank; rank 0 writes the run directory and returns the summary."""
@@ -67,7 +55,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     strategy = make_strategy(cfg, data, device=device, timeline=timeline)
     try:
         loop = Loop(cfg, strategy, data, run_dir, device=device, timeline=timeline, started_at=started_at)
-        return loop.serve() if strategy.serves else loop.run()
+        return strategy.serve(loop.save) if strategy.serves else loop.run()
     finally:
         strategy.close()
 
@@ -140,11 +128,6 @@ class Loop:
         save_checkpoint(self.run_dir, step, local=local, shared=shared if self.is_main else None,
                         keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group)
         self.counters["checkpoint_seconds"] += time.perf_counter() - began
-
-    # ---- a serving rank (parameter server)
-
-    def serve(self) -> dict[str, Any]:
-        return self.strategy.serve(self.save)
 
     # ---- a training rank
 
@@ -243,9 +226,7 @@ class Loop:
         strategy = self.strategy
         self.counters["loss"] = strategy.loss_value(result, global_count)
         rss = self.gather(memory_mb()[0])
-        comm_bytes, comm_seconds = strategy.take_comm()
-        self.counters["comm_bytes"] += comm_bytes
-        self.counters["comm_seconds"] += comm_seconds
+        comm_bytes, comm_seconds = self.take_comm()
         step, now = self.step, time.perf_counter()
         logged_step, logged_samples, logged_at = self.logged
         steps_since = step - logged_step
@@ -256,13 +237,18 @@ class Loop:
                              "comm_bytes": comm_bytes / steps_since,
                              "comm_seconds": comm_seconds / steps_since,
                              "skipped_steps": self.counters["skipped"],
-                             "rss_mb": [round(r, 1) for r in rss], **self.scale_field(),
+                             "rss_mb": [round(r, 1) for r in rss],
+                             **({} if strategy.loss_scale() is None else
+                                {"loss_scale": strategy.loss_scale()}),
                              **strategy.metrics()})
         self.logged = (step, self.counters["samples"], now)
 
-    def scale_field(self) -> dict[str, float]:
-        scale = self.strategy.loss_scale()
-        return {} if scale is None else {"loss_scale": scale}
+    def take_comm(self) -> tuple[int, float]:
+        """The strategy's training traffic since the last call, also added to the run's counters."""
+        comm_bytes, comm_seconds = self.strategy.take_comm()
+        self.counters["comm_bytes"] += comm_bytes
+        self.counters["comm_seconds"] += comm_seconds
+        return comm_bytes, comm_seconds
 
     def gather(self, value: float) -> list[float]:
         """`value` of every rank of the strategy's group, in rank order (collective)."""
@@ -281,9 +267,7 @@ class Loop:
     def summarize(self, results: dict[str, Any]) -> dict[str, Any]:
         """The summary (rank 0 writes it), the trace files and the saved model."""
         cfg, strategy, counters, step = self.cfg, self.strategy, self.counters, self.step
-        comm_bytes, comm_seconds = strategy.take_comm()
-        counters["comm_bytes"] += comm_bytes
-        counters["comm_seconds"] += comm_seconds
+        self.take_comm()
         epochs = [[seconds, value() if callable(value) else value]
                   for seconds, value in self.epoch_accuracy]
         resumes = read_resumes(self.run_dir)

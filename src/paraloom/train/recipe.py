@@ -1,9 +1,6 @@
-"""What the strategies train with: model, engine, batch loss, evaluation, step count (optimizer: optim/)."""
+"""What the strategies train with: the batch loss, evaluation, accumulation chunks, step counts."""
 
 from __future__ import annotations
-
-import dataclasses
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -11,61 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paraloom.comm.collectives import CommStats
-from paraloom.config import CommConfig, Config, OptimConfig
+from paraloom.config import Config
 from paraloom.data import DataSets, collate
-from paraloom.data_parallel import DataParallel, DataParallelNaive
-from paraloom.errors import UserError
-from paraloom.models import MODELS, build_model
-from paraloom.models.user import load_user_model
-from paraloom.rules import is_factory
-from paraloom.topology import RankGroups
-
-
-def make_model(cfg: Config, data: DataSets) -> nn.Module:
-    """The model `model.*` names: a user's factory, or a zoo model shaped for `data`."""
-    name, options = cfg.model.name, cfg.model.options
-    if is_factory(name):
-        return load_user_model(name, options)
-    if data.n_classes is None:
-        raise UserError(f"model.name={name} needs the number of classes; give the data set's DataSets "
-                        "n_classes=")
-    fields = dataclasses.asdict(cfg.model)
-    for key in ("name", "options", "tp_plan"):
-        fields.pop(key)
-    if name in MODELS:  # the zoo's constructors take (and ignore) any keyword: refuse a typo
-        params = inspect.signature(MODELS[name]).parameters.values()
-        takes = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
-        unknown = sorted(set(options) - set(takes))
-        if unknown:
-            raise UserError(f"model.options {', '.join(unknown)}: model.name={name} does not take "
-                            f"{'it' if len(unknown) == 1 else 'them'}; it takes: {', '.join(takes)}")
-    return build_model(name, input_shape(data), data.n_classes, **{**fields, **options})  # options win
-
-
-def input_shape(data: DataSets) -> tuple[int, ...]:
-    """The shape of one training input (its first sample's)."""
-    return tuple(torch.as_tensor(data.train[0][0]).shape)
-
-
-def make_engine(model: nn.Module, comm: CommConfig, groups: RankGroups, stats: CommStats, timeline=None,
-                optim: OptimConfig | None = None,
-                comm_group: dist.ProcessGroup | None = None) -> DataParallel | DataParallelNaive:
-    """The data-parallel engine `comm.*` asks for, over `groups`' data-parallel group."""
-    if comm.engine == "naive":
-        return DataParallelNaive(model, group=groups.dp_group, algorithm=comm.algorithm, stats=stats)
-    options = dgc_options(comm, optim) if optim is not None else None
-    return DataParallel(model, topology=groups, comm=comm, stats=stats, timeline=timeline,
-                        compressor_options=options, comm_group=comm_group)
-
-
-def dgc_options(comm: CommConfig, optim: OptimConfig) -> dict[str, float] | None:
-    """DGC's momentum correction replaces the optimizer's momentum (Lin et al. 2018): with SGD the
-    compressor takes optim.momentum and the optimizer runs without it; Adam keeps its own moments,
-    so DGC runs without momentum correction (sampled top-k with error feedback)."""
-    if comm.compressor != "dgc":
-        return None
-    return {"momentum": optim.momentum if optim.name == "sgd" else 0.0}
 
 
 def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, scale: float,
@@ -90,14 +34,12 @@ def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, scale: flo
     return loss_sum * scale, reported
 
 
-def eval_batches(data: DataSets, group: dist.ProcessGroup | None, device: torch.device,
-                 batch: int = 1024, workers: int = 0):
+def eval_batches(data: DataSets, group: dist.ProcessGroup | None, device: torch.device, batch: int = 1024):
     """(x, y) batches of this rank's slice of the evaluation set (all of it without `group`)."""
     n = len(data.eval)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     mine = torch.arange(n).tensor_split(world)[rank]
-    loader = DataLoader(data.eval, batch_sampler=[c.tolist() for c in mine.split(batch)],
-                        collate_fn=collate, num_workers=workers)
+    loader = DataLoader(data.eval, batch_sampler=[c.tolist() for c in mine.split(batch)], collate_fn=collate)
     for x, y in loader:
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
@@ -113,20 +55,24 @@ def score(out: torch.Tensor | None, y: torch.Tensor, loss: str, *, model_loss=No
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: DataSets, group: dist.ProcessGroup | None, device: torch.device,
-             workers: int = 0) -> dict[str, float | None]:
+def evaluate(model: nn.Module, data: DataSets, group: dist.ProcessGroup | None, device: torch.device, *,
+             forward=None, sum_group: dist.ProcessGroup | None = None, counts: bool = True,
+             batch: int = 1024) -> dict[str, float | None]:
     """{"test_accuracy", "val_loss"} on the evaluation set: each rank of `group` scores a slice and
-    the sums are added (without `group`: this rank alone, on all of it, without communication).
+    the sums are added over `sum_group` (default `group`; neither: this rank alone, on all of it,
+    without communication). `forward(x)` gives a batch's logits (default `model(x)`; None where
+    this rank has none); `counts=False`: this rank's sums are not added (a pipeline's other stages).
     A model that returns its own loss has no accuracy (None)."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)
-    for xb, yb in eval_batches(data, group, device, workers=workers):
+    for xb, yb in eval_batches(data, group, device, batch=batch):
         if data.loss == "model":
             sums += score(None, yb, data.loss, model_loss=model(xb, yb))
-        else:
-            sums += score(model(xb), yb, data.loss)
-    if group is not None:
-        dist.all_reduce(sums, group=group)
+        elif (out := (forward or model)(xb)) is not None:
+            sums += score(out, yb, data.loss)
+    sums *= counts
+    if (sum_group or group) is not None:
+        dist.all_reduce(sums, group=sum_group or group)
     model.train()
     return results_of(sums, data.loss)
 

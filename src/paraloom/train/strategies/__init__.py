@@ -18,6 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.comm.collectives import CommStats
+from paraloom.config import Config
+from paraloom.data_parallel.build import make_engine
+from paraloom.optim.recipe import Recipe
+from paraloom.topology import RankGroups
+from paraloom.trace import Timeline, trace_modules
+
 
 class StepResult(NamedTuple):
     stepped: bool  # False: the non-finite guard skipped the update (alike on every rank)
@@ -102,6 +109,26 @@ class Strategy(ABC):
 
 class EngineStrategy(Strategy):
     """A strategy that syncs through the data-parallel engine (`engine`, `stats`, `recipe`)."""
+
+    cfg: Config
+    device: torch.device
+
+    def attach_engine(self, groups: RankGroups, timeline: Timeline | None, *, total_steps: int,
+                      guard_group: dist.ProcessGroup | None = None,
+                      comm_group: dist.ProcessGroup | None = None, **recipe: Any) -> None:
+        """Trace `model`, wrap it in the engine `comm.*` asks for over `groups`' dp group (the
+        non-finite guard's flag on `guard_group`), and make the recipe of its optimizer."""
+        cfg = self.cfg
+        if timeline is not None:
+            trace_modules(self.model, timeline)  # the bare model: its layers, not the engine's wrapper
+        self.stats = CommStats()
+        self.engine = make_engine(self.model, cfg.comm, groups, self.stats, timeline, cfg.optim,
+                                  comm_group=comm_group)
+        if cfg.guard.nan:
+            self.engine.guard_nonfinite(group=guard_group)
+        self.recipe = Recipe(cfg, self.model.parameters(), total_steps=total_steps, device=self.device,
+                             **recipe)
+        self.optimizer = self.recipe.optimizer
 
     def take_comm(self) -> tuple[int, float]:
         comm = self.stats.take()

@@ -8,29 +8,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from paraloom.comm.collectives import CommStats
 from paraloom.config import Config
 from paraloom.data import DataSets
-from paraloom.optim.recipe import Recipe
+from paraloom.data_parallel.checkpoint import engine_state, load_engine_state
+from paraloom.models.make import make_model
 from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
-from paraloom.trace import Timeline, trace_modules
-from paraloom.train.recipe import (
-    batch_loss,
-    chunks,
-    evaluate,
-    make_engine,
-    make_model,
-    planned_steps,
-)
+from paraloom.trace import Timeline
+from paraloom.train.recipe import batch_loss, chunks, evaluate, planned_steps
 from paraloom.train.strategies import EngineStrategy, StepResult
 
 
 class DataParallelStrategy(EngineStrategy):
     """Every rank trains the whole model on its shard of the batch; the engine syncs gradients."""
-
 
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:
@@ -38,18 +29,10 @@ class DataParallelStrategy(EngineStrategy):
         self.groups = Topology.for_world(dist.get_world_size()).init_groups()
         self.dp_rank, self.dp_world_size = self.groups.dp_rank, self.groups.dp_world_size
         self.model = make_model(cfg, data).to(device)
-        if timeline is not None:
-            trace_modules(self.model, timeline)  # the bare model: its layers, not the engine's wrapper
-        self.stats = CommStats()
-        self.engine = make_engine(self.model, cfg.comm, self.groups, self.stats, timeline, cfg.optim)
-        if cfg.guard.nan:
-            self.engine.guard_nonfinite()
         total = planned_steps(cfg, len(data.train))
-        self.recipe = Recipe(cfg, self.model.parameters(), total_steps=total, device=device)
-        self.optimizer = self.recipe.optimizer
-        self.sparse = None
-        if cfg.sparse.sparsity > 0:
-            self.sparse = SparseTraining(cfg.sparse, self.model, self.engine, self.groups.dp_group, total)
+        self.attach_engine(self.groups, timeline, total_steps=total)
+        self.sparse = SparseTraining(cfg.sparse, self.model, self.engine, self.groups.dp_group, total) \
+            if cfg.sparse.sparsity > 0 else None
         self.resumed = False
 
     def begin(self) -> None:
@@ -106,25 +89,3 @@ class DataParallelStrategy(EngineStrategy):
     def summary(self) -> dict[str, Any]:
         return {"sparse": self.sparse.summary()} if self.sparse is not None else {}
 
-
-def engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine) -> dict[str, Any]:
-    """The engine's communication state, with model and optimizer under "shared" when every replica
-    holds the same (the sync mode decides: local SGD and one-step delay make them differ)."""
-    state: dict[str, Any] = {"engine": engine.comm_state_dict()}
-    replicas = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    if engine.replicas_identical:
-        state["shared"] = replicas
-    else:
-        state.update(replicas)
-    return state
-
-
-def load_engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine,
-                      state: dict[str, Any]) -> None:
-    """Load what `engine_state` gave (its "shared" part as written once, by rank 0)."""
-    replicas = state if "model" in state else state.get("shared")
-    if replicas is None or "model" not in replicas:
-        raise RuntimeError("the checkpoint holds no model state")
-    model.load_state_dict(replicas["model"])
-    optimizer.load_state_dict(replicas["optimizer"])
-    engine.load_comm_state_dict(state["engine"])

@@ -19,17 +19,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from paraloom.comm.collectives import CommStats, default_timeout
+from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import gather_floats
 from paraloom.config import Config
 from paraloom.data import DataSets, Split, collate
 from paraloom.data.text import VOCAB, unigram_loss
 from paraloom.errors import UserError
-from paraloom.optim.recipe import Recipe
+from paraloom.models.make import make_model
 from paraloom.optim.trust import TrustRatioOptimizer
 from paraloom.pipeline_parallel import PipelineStage, split_microbatches, stage_module
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
@@ -39,29 +38,17 @@ from paraloom.tensor_parallel import (
     full_state_dict,
     is_tp_sharded,
     param_bytes,
+    sharded_parameters,
     tp_loss,
     trace_tensor_parallel,
 )
-from paraloom.tensor_parallel.layers import PARALLEL_LAYERS
 from paraloom.tensor_parallel.mappings import gather_from_region
 from paraloom.topology import Topology
-from paraloom.trace import Timeline, trace_modules
-from paraloom.train.recipe import (
-    eval_batches,
-    make_engine,
-    make_model,
-    planned_steps,
-    results_of,
-    score,
-)
+from paraloom.trace import Timeline
+from paraloom.train.recipe import evaluate, planned_steps
 from paraloom.train.strategies import EngineStrategy, StepResult
 
 EVAL_BATCH = 64
-
-
-def flat_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy for class logits (B, C) or token logits (B, T, V)."""
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
 def _median(values: list[float]) -> float:
@@ -77,11 +64,11 @@ class ModelParallelStrategy(EngineStrategy):
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:
         self.cfg, self.data, self.device = cfg, data, device
-        total_steps = planned_steps(cfg, len(data.train), drop_last=True)
         world = dist.get_world_size()
         self.grid = cfg.grid(world)
         dp, tp, pp = self.grid
-        self.groups = groups = Topology(dp=dp, tp=tp, pp=pp).init_groups()
+        topology = Topology(dp=dp, tp=tp, pp=pp)
+        self.groups = groups = topology.init_groups()
         # metrics, the guard's flag, evaluation sums and checkpoints: a group of its own over every rank
         self.group = self.checkpoint_group = dist.new_group(list(range(world)), timeout=default_timeout())
         self.dp_rank, self.dp_world_size = groups.dp_rank, dp
@@ -89,32 +76,23 @@ class ModelParallelStrategy(EngineStrategy):
         self.m = 1 if cfg.parallel.mode == "layers" else cfg.parallel.microbatches
         self.schedule = "layers" if cfg.parallel.mode == "layers" else cfg.parallel.schedule
         self.model = self._place(data, device)
-        if timeline is not None:
-            trace_modules(self.model, timeline)
-            trace_tensor_parallel(self.model, timeline)
-        self.loss_fn = lambda out, y: (tp_loss(out, y, groups.tp_group) if is_tp_sharded(out)
-                                       else flat_loss(out, y))  # vocabulary-parallel logits or whole ones
-        self.loss_factor = 1.0  # of the loss back-propagated: fp16's scale / the accumulated runs
-        self.stats = CommStats()
-        comm_group = None
-        if cfg.comm.scheduler == "priority":  # its collectives get a twin of the dp group, made on every rank
-            for ranks in groups.topology.groups("dp"):
-                twin = dist.new_group(ranks, timeout=default_timeout())
-                comm_group = twin if groups.rank in ranks else comm_group
-        self.engine = make_engine(self.model, cfg.comm, groups, self.stats, timeline, cfg.optim,
-                                  comm_group=comm_group)
-        if cfg.guard.nan:  # every rank of the grid skips alike: the flag is all-reduced over all of them
-            self.engine.guard_nonfinite(group=dist.new_group(list(range(world)), timeout=default_timeout()))
-        self.recipe = Recipe(cfg, self.model.parameters(), total_steps=total_steps, device=device,
-                             clip_group=self._replica_group(), counted=self._counted())
-        self.optimizer = self.recipe.optimizer
+        trace_tensor_parallel(self.model, timeline)
+        # the priority scheduler's collectives get a twin of the dp group; the global norm's sum
+        # runs over the ranks that hold this replica once (its tp x pp ranks)
+        twin = topology.new_group("dp") if cfg.comm.scheduler == "priority" else None
+        replica = topology.new_group("tp", "pp") if tp * pp > 1 else None
+        sharded = sharded_parameters(self.model)
+        shards = {id(p) for p in sharded}  # the global norm counts a shard on every tp rank, a whole one once
+        self.attach_engine(groups, timeline, total_steps=planned_steps(cfg, len(data.train), drop_last=True),
+                           guard_group=self.group, comm_group=twin, clip_group=replica,
+                           counted=(lambda p: id(p) in shards) if groups.tp_rank else None)
         if isinstance(self.optimizer, TrustRatioOptimizer):  # LARS / LAMB: a shard's ratio is its tensor's
-            for p in self._sharded():
+            for p in sharded:
                 self.optimizer.set_segments(p, None, 1, groups.tp_group)
-        self.stage = PipelineStage(self.engine, pp_group=groups.pp_group,
-                                   loss_fn=(lambda out, y: self.loss_fn(out, y) * self.loss_factor)
-                                   if self.last else None,
-                                   static_shapes=True, timeline=timeline)  # every step's micro-batches alike
+        self.loss_factor = 1.0  # of the loss back-propagated: fp16's scale / the accumulated runs
+        loss_fn = lambda out, y: tp_loss(out, y, groups.tp_group) * self.loss_factor  # noqa: E731
+        self.stage = PipelineStage(self.engine, pp_group=groups.pp_group, static_shapes=True,  # steps alike
+                                   loss_fn=loss_fn if self.last else None, timeline=timeline)
         self.step_seconds: list[float] = []
         self.peak_activation = 0
 
@@ -165,30 +143,6 @@ class ModelParallelStrategy(EngineStrategy):
         self.step_seconds.append(time.perf_counter() - began)
         return StepResult(stepped, loss / scale if loss is not None else None, busy, own_skip)
 
-    def _replica_group(self) -> dist.ProcessGroup | None:
-        """The ranks that hold this replica's model once (its tp x pp ranks): the global norm's sum."""
-        topology, mine = self.groups.topology, None
-        if topology.tp * topology.pp == 1:
-            return None
-        for d in range(topology.dp):
-            ranks = sorted(topology.rank(pp=p, dp=d, tp=t)
-                           for p in range(topology.pp) for t in range(topology.tp))
-            group = dist.new_group(ranks, timeout=default_timeout())  # every rank makes every group
-            mine = group if self.groups.rank in ranks else mine
-        return mine
-
-    def _sharded(self) -> list[nn.Parameter]:
-        """The parameters tensor parallelism split (each rank holds a slice), in module order."""
-        return [getattr(m, leaf) for m in self.model.modules() if isinstance(m, PARALLEL_LAYERS)
-                for leaf in m.sharded]
-
-    def _counted(self):
-        """A parameter counts toward the global norm on every tp rank when it is a shard, and on tp
-        rank 0 only when the tp group holds it whole."""
-        sharded = {id(p) for p in self._sharded()}
-        first = self.groups.tp_rank == 0
-        return lambda p: first or id(p) in sharded
-
     def loss_value(self, result: StepResult, global_count: int) -> float:
         """Mean over data-parallel replicas of the last stages' losses (tp rank 0 of each counts)."""
         reports = self.last and self.groups.tp_rank == 0
@@ -202,28 +156,18 @@ class ModelParallelStrategy(EngineStrategy):
     def epoch_end(self) -> float | None:
         return self.evaluate()["test_accuracy"]
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float | None]:
-        """{"test_accuracy", "val_loss"} through the pipeline, forward only.
+        """{"test_accuracy", "val_loss"} through the pipeline, forward only: data-parallel replicas
+        score disjoint slices; the first stage feeds, middle stages relay, the last stage scores
+        (vocabulary-parallel logits gathered for the argmax), counted once per replica."""
+        tp_group = self.groups.tp_group
 
-        Data-parallel replicas score disjoint slices; the first stage feeds, middle stages relay,
-        the last stage scores (vocabulary-parallel logits are gathered for the argmax). The sums
-        are all-reduced over every rank, counted once per replica.
-        """
-        groups = self.groups
-        self.model.eval()
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, targets
-        for xb, yb in eval_batches(self.data, groups.dp_group, self.device, batch=EVAL_BATCH):
-            out = self.stage.infer(xb if self.first else None, module=self.model)
-            if out is None:
-                continue
-            logits = gather_from_region(out, groups.tp_group) if is_tp_sharded(out) else out
-            sums += score(logits, yb, self.data.loss)
-        if not (self.last and groups.tp_rank == 0):
-            sums.zero_()
-        dist.all_reduce(sums, group=self.group)
-        self.model.train()
-        return results_of(sums, self.data.loss)
+        def forward(x: torch.Tensor) -> torch.Tensor | None:
+            out = self.stage.infer(x if self.first else None, module=self.model)
+            return gather_from_region(out, tp_group) if out is not None and is_tp_sharded(out) else out
+
+        return evaluate(self.model, self.data, self.groups.dp_group, self.device, forward=forward,
+                        sum_group=self.group, counts=self.last and self.groups.tp_rank == 0, batch=EVAL_BATCH)
 
     def finish(self) -> dict[str, Any]:
         self.engine.finish()
@@ -235,23 +179,13 @@ class ModelParallelStrategy(EngineStrategy):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model on global rank 0: each stage's tp shards gathered in its tp group, then
-        dp rank 0 / tp rank 0 of every stage sends its stage to rank 0 (collective)."""
+        """The whole model on global rank 0, keyed as the user's model is: each stage's tp shards
+        gathered in its tp group, then dp rank 0 / tp rank 0 of every stage sends its stage to rank 0."""
         groups = self.groups
-        mine = full_state_dict(self.model, groups.tp_group) if groups.tp_world_size > 1 else \
-            self.model.state_dict()
         sources = [groups.topology.rank(pp=stage, dp=0, tp=0) for stage in range(self.grid[2])]
-        whole = gather_stages(mine, self.bounds, groups.pp_rank, self.full_shapes,
-                              sender=groups.dp_rank == 0 and groups.tp_rank == 0, source_of=sources)
-        if whole is None:
-            return None
-        # keys as the user's model names them ("3.weight" -> "blocks.1.weight" for listed pieces)
-        renamed = {}
-        for key, value in whole.items():
-            index, _, rest = key.partition(".")
-            prefix = self.names[int(index)]
-            renamed[f"{prefix}.{rest}" if prefix else rest] = value
-        return renamed
+        return gather_stages(full_state_dict(self.model, groups.tp_group), self.bounds, groups.pp_rank,
+                             self.full_shapes, sender=groups.dp_rank == 0 and groups.tp_rank == 0,
+                             source_of=sources, names=self.names)
 
     def state_dict(self) -> dict[str, Any]:
         return {"grid": list(self.grid), "model": self.model.state_dict(), "recipe": self.recipe.state_dict(),

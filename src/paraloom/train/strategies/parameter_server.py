@@ -15,7 +15,6 @@ and data position). Non-finite pushes are dropped by the servers and counted, ne
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,41 +24,23 @@ import torch.distributed as dist
 
 from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import gather_floats, gather_json
+from paraloom.compress.dgc import dgc_options
 from paraloom.config import Config
 from paraloom.data import DataSets
 from paraloom.errors import UserError
+from paraloom.models.make import make_model
 from paraloom.optim import lr_factor
 from paraloom.optim.precision import autocast
 from paraloom.optim.recipe import schedule_options, server_optimizer
 from paraloom.parameter_server.consistency import staleness_bound
-from paraloom.parameter_server.message import PushCodec
+from paraloom.parameter_server.message import PushCodec, draw_token
 from paraloom.parameter_server.server import ParameterServer, serve
 from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.throughput import all_workers_throughput
 from paraloom.parameter_server.worker import PSClient
 from paraloom.trace import Timeline, trace_modules
-from paraloom.train.recipe import (
-    batch_loss,
-    chunks,
-    dgc_options,
-    evaluate,
-    make_model,
-    planned_steps,
-)
+from paraloom.train.recipe import batch_loss, chunks, evaluate, planned_steps
 from paraloom.train.strategies import StepResult, Strategy
-
-
-@torch.no_grad()
-def clip_flat(grad: torch.Tensor, max_norm: float) -> None:
-    """`clip_grad_norm_` on one flat gradient: scaled by min(1, max_norm / (norm + 1e-6))."""
-    grad.mul_((max_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
-
-
-def draw_token() -> int:
-    """A 31-bit token drawn by rank 0 for this attempt, on every rank (collective)."""
-    token = torch.tensor([int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF], dtype=torch.int64)
-    dist.broadcast(token, src=0)
-    return int(token)
 
 
 class ParameterServerStrategy(Strategy):
@@ -80,11 +61,12 @@ class ParameterServerStrategy(Strategy):
         # checkpoints' barriers run beside the point-to-point traffic: on a group of their own
         self.checkpoint_group = dist.new_group(list(range(world)), timeout=default_timeout())
         self.dp_rank, self.dp_world_size = min(rank, self.n_workers - 1), self.n_workers
-        clip, bsp = cfg.optim.clip_norm, cfg.ps.consistency == "bsp"
+        clip, average = cfg.optim.clip_norm, cfg.ps.consistency == "bsp"
         # BSP clips the mean gradient: the servers sum their slices' squares over a group of their own
         self.norm_group = dist.new_group(list(range(self.n_workers, world)), timeout=default_timeout()) \
-            if clip is not None and bsp and self.n_servers > 1 else None
+            if clip is not None and average and self.n_servers > 1 else None
         self.model = make_model(cfg, data)
+        self.total_steps = planned_steps(cfg, len(data.train))
         n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         layout = slice_layout(n_params, self.n_servers, max(1, int(cfg.ps.partition_mb * 2**20 / 4)))  # fp32
         self.bounds = [(lo, hi) for _, lo, hi in layout]
@@ -94,34 +76,31 @@ class ParameterServerStrategy(Strategy):
         compressor = None if cfg.comm.compressor == "none" else cfg.comm.compressor
         codecs = [PushCodec(hi - lo, compressor, options) for lo, hi in self.bounds]
         if self.serves:
-            average, total_steps = cfg.ps.consistency == "bsp", planned_steps(cfg, len(data.train))
             flat, _ = flatten_model(self.model)
             mine = [i for i, owner in enumerate(servers) if owner == rank]
             self.slices = [ParameterServer(
                 flat[self.bounds[i][0]:self.bounds[i][1]],
-                lambda params: server_optimizer(cfg, params, total_steps=total_steps,
+                lambda params: server_optimizer(cfg, params, total_steps=self.total_steps,
                                                 updates_per_step=1 if average else self.n_workers),
-                workers=list(range(self.n_workers)),
-                bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
-                average=average, token=token, codec=codecs[i], slot=slot,
+                workers=list(range(self.n_workers)), average=average, token=token, codec=codecs[i],
+                slot=slot, bound=staleness_bound(cfg.ps.consistency, cfg.ps.staleness),
                 clip_norm=clip if average else None)
                 for slot, i in enumerate(mine)]
             return
-        self.total_steps = planned_steps(cfg, len(data.train))
         if timeline is not None:
             trace_modules(self.model, timeline)
         self.client = PSClient(self.model, servers, bounds=self.bounds, token=token, codecs=codecs)
         self.taken = (0, 0.0)  # wire bytes and wait seconds already reported by take_comm
-        self.rows = [(time.time(), 0.0)]  # (wall clock, samples) at the start and after each step
 
     # ---- a server
 
     def serve(self, save: Callable[[int, dict[str, Any]], None]) -> dict[str, Any]:
         """Serve until every worker is done; a snapshot of every slice is a checkpoint of its clock."""
-        stats = serve(self.slices, on_snapshot=lambda clock, states: save(clock, {"slices": states}),
-                      norm_group=self.norm_group)
-        gather_json({"server": dist.get_rank() - self.n_workers, **stats}, self.checkpoint_group)
-        return {"server": dist.get_rank() - self.n_workers, **stats}
+        stats = {"server": dist.get_rank() - self.n_workers,
+                 **serve(self.slices, on_snapshot=lambda clock, states: save(clock, {"slices": states}),
+                         norm_group=self.norm_group)}
+        gather_json(stats, self.checkpoint_group)  # to the workers' summary
+        return stats
 
     # ---- a worker
 
@@ -153,7 +132,7 @@ class ParameterServerStrategy(Strategy):
             loss_sum = part.float() + loss_sum
         computed = time.perf_counter() - began - (client.wait_seconds - waited)  # waiting is not computing
         if clip is not None:  # ASP/SSP: each push clipped by its own norm, at its worker
-            clip_flat(client.flat_grad, clip)
+            client.clip_grad(clip)
         client.push()
         if not self.cfg.ps.overlap and not saving:  # else forward loads each slice when it first needs it
             client.pull()  # the parameters of the next step, as the consistency rule allows

@@ -1,0 +1,31 @@
+"""A data-parallel replica's checkpoint state: model, optimizer and the engine's communication state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine) -> dict[str, Any]:
+    """The engine's communication state, with model and optimizer under "shared" when every replica
+    holds the same (the sync mode decides: local SGD and one-step delay make them differ)."""
+    state: dict[str, Any] = {"engine": engine.comm_state_dict()}
+    replicas = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if engine.replicas_identical:
+        state["shared"] = replicas
+    else:
+        state.update(replicas)
+    return state
+
+
+def load_engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine,
+                      state: dict[str, Any]) -> None:
+    """Load what `engine_state` gave (its "shared" part as written once, by rank 0)."""
+    replicas = state if "model" in state else state.get("shared")
+    if replicas is None or "model" not in replicas:
+        raise RuntimeError("the checkpoint holds no model state")
+    model.load_state_dict(replicas["model"])
+    optimizer.load_state_dict(replicas["optimizer"])
+    engine.load_comm_state_dict(state["engine"])
