@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 EXTRAS  := $(VENV)/.extras
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-gpu lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ run: $(STAMP)
 
 test: $(EXTRAS)
 	$(BIN)/python -m pytest -q
+
+# the tests marked cuda, on a GPU machine, with the interpreter at hand: no virtual environment, no install
+PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -13,6 +13,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/distributed.py is import
 
 torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 
+# ask NVML whether a GPU is there, without initialising CUDA here: forked workers could not use it after
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+CUDA_UNUSABLE = None if torch.cuda.is_available() else \
+    f"no CUDA device visible to torch {torch.__version__} (`make test-gpu` runs these on a GPU machine)"
+
 
 def _namespaces() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -36,6 +41,11 @@ NETNS_UNUSABLE = _netns_usable()
 
 
 def pytest_collection_modifyitems(config, items):
+    if CUDA_UNUSABLE:
+        skip_cuda = pytest.mark.skip(reason=f"cuda: {CUDA_UNUSABLE}")
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(skip_cuda)
     if NETNS_UNUSABLE:
         skip = pytest.mark.skip(reason=f"netns: {NETNS_UNUSABLE}")
         for item in items:

@@ -1,4 +1,4 @@
-"""Fork N gloo workers over a FileStore and bring each rank's result (or its failure) back to pytest."""
+"""Fork N gloo (or NCCL) workers over a FileStore; bring each rank's result (or its failure) to pytest."""
 
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ def _leave_together(store: dist.Store, world_size: int, ok: bool, timeout: float
 
 
 def _worker(rank: int, world_size: int, store_path: str, results, fn: Callable, args, kwargs,
-            timeout: float) -> None:
+            timeout: float, backend: str) -> None:
     ok = False
     try:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         try:
             out = fn(rank, world_size, *args, **kwargs)
@@ -54,18 +56,19 @@ def _worker(rank: int, world_size: int, store_path: str, results, fn: Callable, 
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-                **kwargs: Any) -> list[Any]:
+                backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` forked ranks; return results by rank.
 
     A rank that raises fails the test with its traceback; a rank that hangs past `timeout`
-    is killed and named. No process outlives the call.
+    is killed and named. No process outlives the call. `backend="nccl"`: rank r on GPU r (the
+    parent must not have touched CUDA: a forked child could not); results must hold no CUDA tensor.
     """
     ctx = mp.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="paraloom-test-")
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world_size, os.path.join(tmp, "store"), results, fn, args, kwargs,
-                               timeout))
+                               timeout, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -57,8 +58,11 @@ def _cause(failure: Any) -> str:
 def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
                  interface: str = "lo") -> dict[str, Any]:
     """Train with `cfg.parallel.nproc` workers on this machine; returns rank 0's summary."""
+    nproc = cfg.processes(cfg.parallel.nproc)
+    if cfg.strategy != "parameter_server" and cfg.run.device != "cpu" and torch.cuda.is_available():
+        worker.cuda_index(nproc - 1, nproc, torch.cuda.device_count(), backend=cfg.comm.backend)  # refuses
     results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
                                        cfg.comm.interface or interface),
-                          nproc=cfg.processes(cfg.parallel.nproc),
+                          nproc=nproc,
                           max_restarts=cfg.run.max_restarts)
     return results[0]

@@ -31,8 +31,21 @@ def pick_device(cfg: Config) -> torch.device:
     if run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise UserError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return torch.device("cuda", cuda_index(local_rank, local_world, torch.cuda.device_count(),
+                                               backend=cfg.comm.backend))
     return torch.device("cpu")
+
+
+def cuda_index(local_rank: int, local_world: int, devices: int, *, backend: str) -> int:
+    """The GPU of a node's `local_rank` among its `devices`: one each, or shared round-robin when
+    the node runs more ranks than it has GPUs, which gloo allows and NCCL refuses."""
+    if local_world > devices and backend in ("nccl", "auto"):
+        raise UserError(f"NCCL needs a GPU per rank: {local_world} ranks on this node share {devices} "
+                        f"GPU{'s' if devices != 1 else ''}; run at most {devices} per node, or set "
+                        "comm.backend=gloo (gloo works on CUDA tensors, more slowly)")
+    return local_rank % devices
 
 
 def init_distributed(comm: CommConfig, device: torch.device, *, interface: str | None) -> None:

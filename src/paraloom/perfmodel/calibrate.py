@@ -13,18 +13,17 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from paraloom.errors import UserError
 from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_cpu_per_byte
 from paraloom.perfmodel.hardware import Device, Hardware, Link
+from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
 from paraloom.perfmodel.strategies import SYNC_OVERHEAD, estimate, host_slowdown
 
@@ -33,65 +32,25 @@ GROUP_ALGORITHM = "native"
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces: gradients, fp16/bf16 payloads
 
 
-def _rate(fn: Callable[[], Any], work: float, *, repeats: int = 7, min_s: float = 0.05) -> float:
-    """work / median seconds of `fn` (each sample repeats `fn` until it lasts `min_s`)."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_s:
-        fn()
-        calls += 1
-    calls = max(1, calls)
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t) / calls)
-    return work / statistics.median(samples)
-
-
 def measure_compute(threads: int = 1) -> dict[str, float]:
-    """FLOP/s by op class and memory bandwidth (bytes/s) on `threads` threads, fp32."""
+    """FLOP/s by op class and memory bandwidth (bytes/s) of the CPU on `threads` threads, fp32."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with torch.no_grad():
-            a, b = torch.randn(512, 512), torch.randn(512, 512)
-            matmul = _rate(lambda: a @ b, 2 * 512**3)
-            x, w = torch.randn(8, 32, 32, 32), torch.randn(32, 32, 3, 3)
-            conv = _rate(lambda: F.conv2d(x, w, padding=1), 2 * 8 * 32 * 32 * 32 * 32 * 9)
-            q = torch.randn(4, 4, 128, 32)
-            attention = _rate(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
-                              4 * 4 * 4 * 128 * 128 * 32)
-            big = torch.randn(2**23)  # 32 MB: beyond the caches
-            out = torch.empty_like(big)
-            other = _rate(lambda: torch.add(big, 1.0, out=out), big.numel())
-            bandwidth = _rate(lambda: out.copy_(big), 2 * big.numel() * 4)
+        return compute_rates(torch.device("cpu"), "fp32")
     finally:
         torch.set_num_threads(previous)
-    return {"matmul": matmul, "conv": conv, "attention": attention, "other": other, "bandwidth": bandwidth}
 
 
 def measure_codecs(threads: int = 1, elements: int = 1 << 22) -> dict[str, float]:
     """Seconds per fp32 gradient byte to compress and decompress, per compressor (a 16 MB tensor)."""
-    from paraloom.compress import COMPRESSORS, make_compressor
-
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    out = {}
     try:
-        grad = torch.randn(elements)
-        for name in sorted(COMPRESSORS):
-            codec = make_compressor(name)
-
-            def roundtrip(codec=codec):
-                payload, ctx = codec.compress(grad, 0)
-                codec.decompress(payload, ctx)
-
-            out[name] = 1.0 / _rate(roundtrip, elements * 4.0, repeats=3, min_s=0.02)
+        return {name: 1.0 / bytes_per_s
+                for name, bytes_per_s in codec_rates(torch.device("cpu"), elements * 4).items()}
     finally:
         torch.set_num_threads(previous)
-    return out
 
 
 def measure_p2p(cluster=None) -> float:
