@@ -175,13 +175,44 @@ def test_dgc_sampled_threshold_selects_about_k():
     for density in (0.001, 0.01):
         comp = DGCCompressor(density=density, sample_fraction=0.01)
         k = math.ceil(density * v.numel())
-        for _ in range(5):
-            selected = int((v.abs() >= comp.threshold(v.abs(), k)).sum())
+        thresholds = set()
+        for call in range(5):
+            threshold = comp.threshold(v.abs(), k, key=3, call=call)
+            thresholds.add(float(threshold))
+            selected = int((v.abs() >= threshold).sum())
             assert k / 2 <= selected <= 2 * k, (density, k, selected)
-        chosen = comp.select(v, k)
-        assert chosen.numel() <= k and chosen.unique().numel() == chosen.numel()
+        assert len(thresholds) > 1  # each call samples afresh
+        assert comp.threshold(v.abs(), k, key=3, call=2) == comp.threshold(v.abs(), k, key=3, call=2)
+        chosen, keep = comp.select(v, k)
+        assert chosen.numel() == k
+        sent = chosen[keep]
+        assert sent.unique().numel() == sent.numel()
         # what is chosen are large entries: all above the true 2k-th largest magnitude
-        assert v.abs()[chosen].min() >= v.abs().topk(2 * k).values.min()
+        assert v.abs()[sent].min() >= v.abs().topk(2 * k).values.min()
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5, 2.5], ids=["sampled", "more_than_k", "fewer_than_k"])
+def test_dgc_fixed_size_selection_equals_the_cpu_one(monkeypatch, threshold):
+    """Off the CPU, DGC selects through a masked top-k in fixed sizes (no host read): the same
+    entries sent, the same momenta masked, call after call."""
+    import paraloom.compress.dgc as dgc
+
+    def run(fixed):
+        monkeypatch.setattr(dgc, "fixed_size", lambda device: fixed)
+        comp = DGCCompressor(density=0.01, momentum=0.9)
+        if threshold is not None:
+            comp.threshold = lambda magnitudes, k, key, call: torch.tensor(threshold)
+        outs = []
+        for step in range(4):
+            g = torch.randn(5000, generator=_gen(10 + step))
+            outs.append(comp.decompress(*comp.compress(g, key=2)))
+        return outs, comp.u[2], comp.v[2]
+
+    (cpu, u_cpu, v_cpu), (fixed, u_fixed, v_fixed) = run(False), run(True)
+    for a, b in zip(cpu, fixed, strict=True):
+        assert torch.equal(a, b)
+        assert 0 < int((a != 0).sum()) <= 50
+    assert torch.equal(u_cpu, u_fixed) and torch.equal(v_cpu, v_fixed)
 
 
 def test_dgc_clips_the_local_gradient():
@@ -193,7 +224,7 @@ def test_dgc_clips_the_local_gradient():
 def test_dgc_pads_a_short_selection_with_zero_values():
     comp = DGCCompressor(density=0.5, momentum=0.0)
     g = torch.tensor([0.0, 0.0, 5.0, 0.0, 0.0, 0.0])
-    comp.select = lambda v, k: torch.tensor([2])  # a threshold that selects fewer than k
+    comp.threshold = lambda magnitudes, k, key, call: torch.tensor(1.0)  # selects fewer than k
     payload, ctx = comp.compress(g, 0)
     assert payload.numel() == 8 * 3
     assert comp.decompress(payload, ctx).tolist() == [0.0, 0.0, 5.0, 0.0, 0.0, 0.0]

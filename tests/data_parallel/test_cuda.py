@@ -146,3 +146,40 @@ def test_nccl_refuses_more_ranks_than_gpus_in_one_line(tmp_path):
                               "--set", "comm.backend=nccl", "--set", "optim.max_steps=2")
     assert done.returncode == 2
     assert f"NCCL needs a GPU per rank: {gpus + 1} ranks on this node share {gpus}" in done.stderr
+
+
+def _steady_steps_without_sync(rank, world, options):
+    """Steps 4 to 6 of the engine under CUDA's sync debug mode "error": any wait of the host for the
+    device (`.item()`, a data-sized op, a blocking copy) raises instead of stalling silently."""
+    from paraloom.data_parallel import DataParallel
+    from paraloom.train.recipe import batch_loss
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    split, model, optimizer = setup("cnn", "sgd")
+    model.to(device)
+    x, y = split.x_train.to(device), split.y_train.to(device)
+    engine = DataParallel(model, bucket_mb=0.01, first_bucket_mb=0.01, **options)
+    for i, (idx, count) in enumerate(steps(400, rank, world, count=6)):
+        xb, yb = x[idx.to(device)], y[idx.to(device)]
+        torch.cuda.set_sync_debug_mode("error" if i >= 3 else "default")
+        try:
+            loss, _ = batch_loss(engine, xb, yb, scale=world / count)
+            loss.backward()
+            engine.step(optimizer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    engine.finish()
+    engine.close()
+    return True
+
+
+SYNC_FREE = {**ENGINES, "one_step_delay": {"sync": "one_step_delay"},
+             **{c: {"compressor": c} for c in ("fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk",
+                                               "dgc", "powersgd")}}
+
+
+@pytest.mark.parametrize("case", list(SYNC_FREE))
+def test_steady_steps_never_wait_for_the_gpu(case):
+    """Without the non-finite guard a step reads nothing back from the GPU (the guard's one read is
+    counted by tests/data_parallel/test_host_reads.py)."""
+    assert run_workers(_steady_steps_without_sync, 1, SYNC_FREE[case], backend="nccl", timeout=180) == [True]

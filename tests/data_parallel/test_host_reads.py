@@ -5,8 +5,9 @@ tensor waits for the device to drain; a training step may afford one (the guard'
 These tests count such reads on CPU, where they are cheap but the code path is the same, for every
 scheduler, sync mode and compressor, over the steady-state steps (backward and `engine.step`), and
 name the line of each read when there are too many. They count the reads paraloom's code makes
-itself; an operation whose output size depends on the data (`nonzero`, boolean indexing) also
-waits for a GPU, and is not counted here (DGC's threshold selection is one).
+itself, and the operations whose output size depends on the data (`nonzero`, `masked_select`,
+`unique`, indexing with a boolean mask), which wait for a GPU just the same. Code with a path of
+its own for the CPU (DGC's selection) is counted on the path it takes on a GPU.
 """
 
 import contextlib
@@ -19,39 +20,52 @@ import torch
 from distributed import run_workers
 from dp_reference import setup, steps
 
+import paraloom.compress.dgc as dgc
+
 from paraloom.choices import COMPRESSORS
 from paraloom.data_parallel import DataParallel
 from paraloom.train.recipe import batch_loss
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+DATA_SIZED = ("nonzero", "argwhere", "masked_select", "unique")  # torch.<name> and Tensor.<name>
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 WARMUP, MEASURED = 3, 4  # steps: the priority scheduler profiles its first ones
 
 
+def _bool_index(args) -> bool:
+    items = args[0] if isinstance(args[0], tuple) else (args[0],)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
 @contextlib.contextmanager
 def counting_host_reads():
-    """Count the host reads of tensors that paraloom's own code makes, by file and line."""
+    """Count the host reads of tensors, and the operations sized by the data, that paraloom's own
+    code makes, by file and line (patched where they live: the engine's threads count too)."""
     where: Counter[str] = Counter()
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    patched = [(torch.Tensor, name, None) for name in READS] + \
+        [(owner, name, None) for name in DATA_SIZED for owner in (torch, torch.Tensor)] + \
+        [(torch.Tensor, "__getitem__", _bool_index)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
 
-    def counted(name, method):
-        def read(self, *args, **kwargs):
+    def counted(name, method, when):
+        def call(*args, **kwargs):
             frame = sys._getframe(1)
-            if frame.f_code.co_filename.startswith(SRC):
+            if frame.f_code.co_filename.startswith(SRC) and (when is None or when(args[1:])):
                 where[f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {name}"] += 1
-            return method(self, *args, **kwargs)
-        return read
+            return method(*args, **kwargs)
+        return call
 
-    for name, method in saved.items():
-        setattr(torch.Tensor, name, counted(name, method))
+    for (owner, name, when), (_, _, method) in zip(patched, saved, strict=True):
+        setattr(owner, name, counted(name, method, when))
     try:
         yield where
     finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
+        for owner, name, method in saved:
+            setattr(owner, name, method)
 
 
 def _reads(rank, world, options, guard):
+    dgc.fixed_size = lambda device: True  # the path a GPU takes (a forked worker: nothing to restore)
     split, model, optimizer = setup("cnn", "sgd")
     engine = DataParallel(model, bucket_mb=0.01, first_bucket_mb=0.01, **options)
     if guard:

@@ -1,7 +1,7 @@
 """Resume is exact: K steps, a checkpoint through bytes, fresh objects, the rest == N steps straight.
 
 For every sync mode and scheduler, and for compressors whose state matters (error feedback,
-call counters that seed shared random streams, DGC momenta and sampling generator, PowerSGD
+call counters that seed shared random streams, DGC momenta and sampling stream, PowerSGD
 factors): parameters after N steps must be bitwise equal to an uninterrupted run's.
 """
 

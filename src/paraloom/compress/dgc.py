@@ -13,6 +13,7 @@ from paraloom.compress.topk import (
     count_kept,
     pack_sparse,
     scatter_sparse,
+    shared_seed,
     sum_sparse,
     unpack_sparse,
 )
@@ -33,6 +34,11 @@ def dgc_options(comm: CommConfig, optim: OptimConfig) -> dict[str, float] | None
 MIN_SAMPLED_KEPT = 8  # the sample is grown until its own top set has this many entries (a stable quantile)
 
 
+def fixed_size(device: torch.device) -> bool:
+    """Whether DGC selects in fixed sizes on `device` (every device but the CPU: no host read)."""
+    return device.type != "cpu"
+
+
 @register("dgc")
 class DGCCompressor:
     """Deep Gradient Compression (Lin, Han, Mao, Wang & Dally, ICLR 2018).
@@ -50,7 +56,7 @@ class DGCCompressor:
     """
 
     summable = False
-    state_fields = ("u", "v", "calls", "generator")
+    state_fields = ("u", "v", "calls")
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, clip_norm: float | None = None,
                  warmup_steps: int = 0, sample_fraction: float = 0.01, seed: int = 0) -> None:
@@ -67,7 +73,8 @@ class DGCCompressor:
         self.clip_norm = clip_norm
         self.warmup_steps = int(warmup_steps)
         self.sample_fraction = float(sample_fraction)
-        self.generator = torch.Generator().manual_seed(seed)  # local sampling only; ranks need not agree
+        self.seed = int(seed)  # the threshold's sample: a stream of (seed, key, call), on the tensor's device
+        self._generators: dict[torch.device, torch.Generator] = {}
         self.u: dict[int, torch.Tensor] = {}  # momentum
         self.v: dict[int, torch.Tensor] = {}  # accumulated velocity (the residual)
         self.calls: dict[int, int] = {}
@@ -84,24 +91,44 @@ class DGCCompressor:
     def payload_bytes(self, n: int, step: int | None = None) -> int:
         return 8 * count_kept(n, self.density_at(self.warmup_steps if step is None else step))
 
-    def threshold(self, magnitudes: torch.Tensor, k: int) -> torch.Tensor:
-        """Estimate the k-th largest of `magnitudes` from a random sample (Lin et al. 2018, §3)."""
+    def threshold(self, magnitudes: torch.Tensor, k: int, key: int = 0, call: int = 0) -> torch.Tensor:
+        """Estimate the k-th largest of `magnitudes` from a random sample (Lin et al. 2018, §3), drawn
+        on their device from a stream that depends on (seed, key, call) only: nothing to checkpoint,
+        no copy to the device."""
         n = magnitudes.numel()
         size = min(n, max(math.ceil(self.sample_fraction * n), math.ceil(MIN_SAMPLED_KEPT * n / k)))
         if size >= n:
             return torch.topk(magnitudes, k, sorted=False).values.min()
-        picks = torch.randint(n, (size,), generator=self.generator).to(magnitudes.device)
+        device = magnitudes.device
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+        generator.manual_seed(shared_seed(self.seed, key, call))
+        picks = torch.randint(n, (size,), generator=generator, device=device)
         kept = max(1, round(k * size / n))
         return torch.topk(magnitudes[picks], kept, sorted=False).values.min()
 
-    def select(self, v: torch.Tensor, k: int) -> torch.Tensor:
-        """At most k indices of large |v|: those above the sampled threshold, cut to the exact top k
-        of them when there are more than k (the payload holds k)."""
+    def select(self, v: torch.Tensor, k: int, key: int = 0, call: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k indices, which of them are sent): the largest |v| at or above the sampled threshold, at
+        most k of them; the other slots are padding (index 0, not sent). On the CPU through `nonzero`
+        (a data-dependent size costs nothing there); elsewhere through a top-k of |v| with the
+        entries below the threshold pushed to -1, the same set in fixed sizes: no wait for the device."""
         magnitudes = v.abs()
-        chosen = torch.nonzero(magnitudes >= self.threshold(magnitudes, k)).view(-1)
-        if chosen.numel() > k:
-            chosen = chosen[torch.topk(magnitudes[chosen], k, sorted=False).indices]
-        return chosen
+        above = magnitudes >= self.threshold(magnitudes, k, key, call)
+        if not fixed_size(v.device):
+            chosen = torch.nonzero(above).view(-1)
+            if chosen.numel() > k:
+                chosen = chosen[torch.topk(magnitudes[chosen], k, sorted=False).indices]
+            pad = k - chosen.numel()
+            keep = torch.ones(k, dtype=torch.bool, device=v.device)
+            if pad:
+                keep[chosen.numel():] = False
+                chosen = torch.cat([chosen, chosen.new_zeros(pad)])
+            return chosen, keep
+        keyed = torch.where(above, magnitudes, torch.full_like(magnitudes, -1.0))
+        values, chosen = torch.topk(keyed, k, sorted=False)
+        keep = values >= 0
+        return torch.where(keep, chosen, torch.zeros_like(chosen)), keep
 
     def compress(self, tensor: torch.Tensor, key: int) -> tuple[torch.Tensor, Any]:
         """(8k-byte payload, ctx=(n, dtype, shape)); u and v for `key` are updated and masked."""
@@ -117,14 +144,19 @@ class DGCCompressor:
         v = u.clone() if v is None else v.add_(u)
         self.u[key], self.v[key] = u, v
         k = count_kept(n, self.density_at(step))
-        chosen = self.select(v, k) if k else torch.zeros(0, dtype=torch.long, device=g.device)
-        values = v[chosen]
-        u[chosen] = 0.0  # momentum factor masking
-        v[chosen] = 0.0
-        pad = k - chosen.numel()
-        if pad:
-            values = torch.cat([values, values.new_zeros(pad)])
-            chosen = torch.cat([chosen, chosen.new_zeros(pad)])
+        if not k:
+            return pack_sparse(v.new_zeros(0), torch.zeros(0, dtype=torch.long, device=g.device)), \
+                (n, tensor.dtype, tensor.shape)
+        chosen, keep = self.select(v, k, key, step)
+        values = torch.where(keep, v[chosen], 0.0)  # padding sends 0 at index 0
+        if fixed_size(v.device):  # momentum factor masking where sent, in fixed sizes
+            sent = torch.zeros_like(v).index_add_(0, chosen, keep.to(v.dtype)) > 0
+            u.masked_fill_(sent, 0.0)
+            v.masked_fill_(sent, 0.0)
+        else:
+            sent = chosen[keep]
+            u[sent] = 0.0
+            v[sent] = 0.0
         return pack_sparse(values, chosen), (n, tensor.dtype, tensor.shape)
 
     def decompress_sum(self, payloads: torch.Tensor, ctx: Any, out: torch.Tensor) -> None:
