@@ -21,7 +21,6 @@ from distributed import run_workers
 from dp_reference import setup, steps
 
 import paraloom.compress.dgc as dgc
-
 from paraloom.choices import COMPRESSORS
 from paraloom.data_parallel import DataParallel
 from paraloom.train.recipe import batch_loss

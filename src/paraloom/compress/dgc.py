@@ -108,7 +108,8 @@ class DGCCompressor:
         kept = max(1, round(k * size / n))
         return torch.topk(magnitudes[picks], kept, sorted=False).values.min()
 
-    def select(self, v: torch.Tensor, k: int, key: int = 0, call: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, v: torch.Tensor, k: int, key: int = 0,
+               call: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(k indices, which of them are sent): the largest |v| at or above the sampled threshold, at
         most k of them; the other slots are padding (index 0, not sent). On the CPU through `nonzero`
         (a data-dependent size costs nothing there); elsewhere through a top-k of |v| with the
