@@ -61,6 +61,13 @@ def calibrate(
     group_sizes: Annotated[str | None, typer.Option(
         metavar="N,N", help="with an emulated cluster, also measure the all-reduce among N emulated nodes "
                             "at the same rate, e.g. 4,8 (plans with N data-parallel workers use it)")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="measure this GPU (cuda, cuda:N) instead of the CPU: compute per dtype, memory, copies, codecs")
+    ] = None,
+    preset: Annotated[str | None, typer.Option(
+        help="with --device: the data sheet the efficiencies are fractions of (h100, a100, v100; "
+             "default: the one the device's name matches)")] = None,
+    inter: Annotated[str, typer.Option(help="with --device: the network preset between nodes")] = "ib-ndr",
 ) -> None:
     """Measure this machine into a hardware profile for `paraloom plan`, or refine one from runs."""
     from paraloom.perfmodel import calibrate as cal
@@ -69,6 +76,12 @@ def calibrate(
     if not out.parent.is_dir():
         raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
     console = Console()
+    if device is not None:
+        if from_ or cluster or emulate or group_sizes:
+            raise UserError("--device measures one GPU; --from, --cluster, --emulate and --group-sizes are "
+                            "for the CPU and its links")
+        _calibrate_device(device, preset, inter, out, console)
+        return
     if from_:
         if hardware is None:
             raise UserError("--from refines a profile: name it with --hardware FILE")
@@ -93,6 +106,36 @@ def calibrate(
                   f"memory {d.mem_bandwidth / 1e9:.1f} GB/s, "
                   f"intra {hw.intra.bandwidth / 1e6:.0f} MB/s + {hw.intra.latency * 1e6:.0f} us, "
                   f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us -> {out}")
+
+
+def _calibrate_device(text: str, preset: str | None, inter: str, out: Path, console: Console) -> None:
+    """`calibrate --device`: measure the GPU, write its profile, show its efficiencies beside the preset's."""
+    from rich.table import Table
+
+    from paraloom.perfmodel.device_profile import check_device, device_profile, measure_device
+    from paraloom.perfmodel.hardware import device_preset, link_preset
+
+    if preset is not None:
+        device_preset(preset)
+    link_preset(inter)
+    gpu = check_device(text)
+    measured = measure_device(gpu, progress=lambda what: console.print(f"measuring {what}"))
+    hw, comparison = device_profile(measured, preset=preset, inter=inter)
+    out.write_text(hw.to_yaml())
+    table = Table(title=f"{measured['device']}: efficiency, achieved / peak "
+                        f"({comparison['preset'] or 'no preset: measured matmul'} peaks)")
+    for column in ("dtype", "class", "assumed (preset)", "measured", "TFLOP/s"):
+        table.add_column(column)
+    for dtype, classes in comparison["efficiency"].items():
+        for op_class, pair in classes.items():
+            assumed = "-" if pair["assumed"] is None else f"{pair['assumed']:.2f}"
+            table.add_row(dtype, op_class, assumed, f"{pair['measured']:.3f}",
+                          f"{hw.constants[f'flops.{dtype}.{op_class}'] / 1e12:.1f}")
+    console.print(table)
+    bandwidth = comparison["mem_bandwidth"]
+    sheet = "" if bandwidth["data_sheet"] is None else f" (data sheet {bandwidth['data_sheet'] / 1e12:.2f} TB/s)"
+    console.print(f"memory {bandwidth['measured'] / 1e12:.2f} TB/s{sheet}, "
+                  f"{hw.device.mem_capacity / 2**30:.1f} GiB; links {hw.intra.name}, {hw.inter.name} -> {out}")
 
 
 def _group_sizes(text: str | None) -> list[int]:

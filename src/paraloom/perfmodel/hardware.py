@@ -139,6 +139,11 @@ class Hardware:
                      for k, v in self.constants.items()}
         object.__setattr__(self, "constants", constants)
 
+    def achieved_flops(self, dtype: str, op_class: str) -> float:
+        """FLOP/s of `op_class` in `dtype`: the measured rate (`flops.<dtype>.<class>`, from
+        `paraloom calibrate --device`) where the profile has one, else the device's peak x efficiency."""
+        return self.constants.get(f"flops.{dtype}.{op_class}") or self.device.achieved_flops(dtype, op_class)
+
     def to_dict(self) -> dict[str, Any]:
         device = {k: getattr(self.device, k) for k in DEVICE_FIELDS}
         return {"name": self.name,
@@ -187,6 +192,16 @@ def device_preset(name: str) -> Device:
     if entry is None:
         raise UserError(f"device preset {name!r} is not known; choose one of: {', '.join(_device_names())}")
     return Device(name=name, **{k: v for k, v in entry.items() if k != "node"})
+
+
+def device_preset_names() -> list[str]:
+    return _device_names()
+
+
+def preset_node(name: str) -> dict[str, Any]:
+    """The usual node of device preset `name`: {"devices_per_node": ..., "intra": link preset name}."""
+    device_preset(name)  # a clear error for an unknown name
+    return dict(_presets("devices.yaml")[name].get("node", {}))
 
 
 def link_preset(name: str) -> Link:
@@ -263,4 +278,5 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                     f"{', '.join(preset_names())}")
 
 
-__all__ = ["Device", "Hardware", "Link", "device_preset", "link_preset", "load_hardware", "preset_names"]
+__all__ = ["Device", "Hardware", "Link", "device_preset", "device_preset_names", "link_preset", "load_hardware",
+           "preset_names", "preset_node"]

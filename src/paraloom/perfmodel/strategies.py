@@ -162,7 +162,7 @@ def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, 
     total = 0.0
     for op_class in set(flops) | set(moved):
         share = 1.0 if op_class == "other" else 1.0 / tp
-        compute = flops.get(op_class, 0.0) * samples * share / hw.device.achieved_flops(dtype, op_class)
+        compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)
         memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
         total += max(compute, memory)
     return total
@@ -276,7 +276,9 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         update /= plan.dp
     dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = _codec(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
-    data = profile.input_bytes * global_batch / plan.dp / hw.device.mem_bandwidth
+    # the batch's copy to the device: host to device where calibrated, at memory bandwidth otherwise
+    loading = hw.constants.get("copy_bandwidth.h2d", hw.device.mem_bandwidth)
+    data = profile.input_bytes * global_batch / plan.dp / loading
     overhead = hw.constants.get("step_overhead_s", 0.0) * slow
     # replicas that synchronize every step wait for the slowest and pay the engine's per-step work:
     # a constant refined from a measured data-parallel run (calibrate.sync_residual), 0 otherwise

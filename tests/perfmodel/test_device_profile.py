@@ -1,0 +1,108 @@
+"""`paraloom calibrate --device`: a device's micro-benchmarks become a profile the planner predicts with.
+
+The GPU itself is measured by `make test-gpu` and benchmarks/gpu.py; here the same code runs on the
+CPU with small sizes (the figures are the CPU's, the arithmetic the same).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import paraloom.perfmodel.device_profile as dp
+from paraloom.cli import main
+from paraloom.perfmodel.hardware import Hardware, device_preset, load_hardware
+from paraloom.perfmodel.profile import profile_model
+from paraloom.perfmodel.strategies import Options, Plan, estimate
+
+TINY = {"matmul": 64, "conv": (2, 4, 8), "attention": (1, 2, 32, 8), "elements": 2**12}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return dp.measure_device(torch.device("cpu"), sizes=TINY, min_s=0.002, buckets_mb=(0.25, 1))
+
+
+def test_the_micro_benchmarks_cover_every_dtype_class_and_codec(measured):
+    from paraloom.compress import COMPRESSORS
+
+    assert set(measured["compute"]) == {"fp32", "bf16"}
+    for rates in measured["compute"].values():
+        assert set(rates) == {"matmul", "conv", "attention", "other", "bandwidth"}
+        assert all(v > 0 for v in rates.values())
+    assert set(measured["codecs"]) == {"0.25MB", "1MB"}
+    assert set(measured["codecs"]["1MB"]) == set(COMPRESSORS)
+    assert measured["capacity"] > 2**30
+
+
+def test_a_preset_keeps_its_peaks_and_the_measured_rates_are_what_the_model_uses(measured):
+    measured = {**measured, "codecs": {"25MB": measured["codecs"]["1MB"]}}
+    hw, comparison = dp.device_profile(measured, preset="h100")
+    sheet = device_preset("h100")
+    assert hw.device.peak_flops == sheet.peak_flops  # efficiencies read as fractions of the data sheet
+    bf16 = measured["compute"]["bf16"]
+    assert comparison["main_dtype"] == "bf16"
+    assert hw.device.efficiency["conv"] == pytest.approx(min(1.0, bf16["conv"] / sheet.peak_flops["bf16"]))
+    assert comparison["efficiency"]["fp32"]["matmul"]["assumed"] == sheet.efficiency["matmul"]
+    for dtype, rates in measured["compute"].items():
+        for op_class in ("matmul", "conv", "attention", "other"):
+            assert hw.achieved_flops(dtype, op_class) == rates[op_class]  # not peak x efficiency
+    # a dtype not measured: the data sheet's peak at the main dtype's measured efficiency
+    assert hw.achieved_flops("fp16", "matmul") == sheet.peak_flops["fp16"] * hw.device.efficiency["matmul"]
+    assert hw.constants["codec_s_per_byte.topk"] == pytest.approx(1 / measured["codecs"]["25MB"]["topk"])
+    assert hw.devices_per_node == 8 and "not measured" in hw.intra.name and "not measured" in hw.inter.name
+    assert Hardware.from_yaml(hw.to_yaml()) == hw
+
+
+def test_without_a_preset_the_measured_matmul_is_the_peak(measured):
+    hw, comparison = dp.device_profile({**measured, "device": "Some Accelerator"})
+    assert comparison["preset"] is None and hw.devices_per_node == 1
+    assert hw.device.peak_flops["fp32"] == measured["compute"]["fp32"]["matmul"]
+    assert hw.device.efficiency["matmul"] == 1.0
+
+
+def test_the_prediction_follows_the_measured_rates_and_codecs(measured):
+    hw, _ = dp.device_profile(measured, preset="h100")
+    profile = profile_model("gpt:layers=2,hidden=64,heads=4,seq=32", dtype="bf16")
+    base = estimate(profile, hw, Plan(dp=1), 8)
+    halved = replace(hw, constants={k: v / 2 if k.startswith("flops.bf16.") else v
+                                    for k, v in hw.constants.items()})
+    slower = estimate(profile, halved, Plan(dp=1), 8)
+    assert slower.breakdown["compute"] == pytest.approx(2 * base.breakdown["compute"], rel=0.05)
+    # a GPU plan's codec cost is the measured seconds per byte times the gradient
+    plan = Plan(dp=2, compressor="topk")
+    codec = estimate(profile, hw, plan, 8, Options()).breakdown["codec"]
+    assert codec == pytest.approx(hw.constants["codec_s_per_byte.topk"] * profile.n_params * 4.0)
+
+
+@pytest.mark.parametrize(("name", "preset"), [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-32GB", "v100"),
+    ("NVIDIA H200", None), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_a_devices_name_picks_its_data_sheet(name, preset):
+    assert dp.preset_for(name) == preset
+
+
+def test_the_cli_writes_a_profile_and_shows_assumed_beside_measured(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(dp, "check_device", lambda text: torch.device("cpu"))
+    real = dp.measure_device
+    monkeypatch.setattr(dp, "measure_device", lambda device, progress: real(
+        device, sizes=TINY, min_s=0.002, buckets_mb=(25,), progress=progress))
+    out = tmp_path / "gpu.yaml"
+    assert main(["calibrate", "--device", "cuda", "--preset", "h100", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "assumed (preset)" in text and "0.60" in text  # the preset's matmul efficiency
+    hw = load_hardware(str(out))
+    assert "flops.bf16.matmul" in hw.constants and "codec_s_per_byte.dgc" in hw.constants
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "cuda"], "no CUDA device is visible"),
+    (["--device", "cpu"], "measuring a device is for GPUs"),
+    (["--device", "cuda", "--emulate", "2x1gbit"], "--device measures one GPU"),
+])
+def test_calibrate_device_refuses_in_one_line(tmp_path, capsys, args, message):
+    if torch.cuda.is_available() and args == ["--device", "cuda"]:
+        pytest.skip("a GPU is visible")
+    assert main(["calibrate", *args, "--out", str(tmp_path / "x.yaml")]) == 2
+    assert message in capsys.readouterr().err
