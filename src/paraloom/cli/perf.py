@@ -133,9 +133,10 @@ def _calibrate_device(text: str, preset: str | None, inter: str, out: Path, cons
                           f"{hw.constants[f'flops.{dtype}.{op_class}'] / 1e12:.1f}")
     console.print(table)
     bandwidth = comparison["mem_bandwidth"]
-    sheet = "" if bandwidth["data_sheet"] is None else f" (data sheet {bandwidth['data_sheet'] / 1e12:.2f} TB/s)"
-    console.print(f"memory {bandwidth['measured'] / 1e12:.2f} TB/s{sheet}, "
-                  f"{hw.device.mem_capacity / 2**30:.1f} GiB; links {hw.intra.name}, {hw.inter.name} -> {out}")
+    sheet = bandwidth["data_sheet"]
+    sheet = "" if sheet is None else f" (data sheet {sheet / 1e12:.2f} TB/s)"
+    console.print(f"memory {bandwidth['measured'] / 1e12:.2f} TB/s{sheet}, {hw.device.mem_capacity / 2**30:.1f} "
+                  f"GiB; links {hw.intra.name}, {hw.inter.name} -> {out}")
 
 
 def _group_sizes(text: str | None) -> list[int]:

@@ -278,5 +278,5 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                     f"{', '.join(preset_names())}")
 
 
-__all__ = ["Device", "Hardware", "Link", "device_preset", "device_preset_names", "link_preset", "load_hardware",
-           "preset_names", "preset_node"]
+__all__ = ["Device", "Hardware", "Link", "device_preset", "device_preset_names", "link_preset",
+           "load_hardware", "preset_names", "preset_node"]
