@@ -135,8 +135,9 @@ def _calibrate_device(text: str, preset: str | None, inter: str, out: Path, cons
     bandwidth = comparison["mem_bandwidth"]
     sheet = bandwidth["data_sheet"]
     sheet = "" if sheet is None else f" (data sheet {sheet / 1e12:.2f} TB/s)"
-    console.print(f"memory {bandwidth['measured'] / 1e12:.2f} TB/s{sheet}, "
-                  f"{hw.device.mem_capacity / 2**30:.1f} GiB; links {hw.intra.name}, {hw.inter.name} -> {out}")
+    gib = hw.device.mem_capacity / 2**30
+    console.print(f"memory {bandwidth['measured'] / 1e12:.2f} TB/s{sheet}, {gib:.1f} GiB; "
+                  f"links {hw.intra.name}, {hw.inter.name} -> {out}")
 
 
 def _group_sizes(text: str | None) -> list[int]:
