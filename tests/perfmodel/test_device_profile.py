@@ -106,3 +106,19 @@ def test_calibrate_device_refuses_in_one_line(tmp_path, capsys, args, message):
         pytest.skip("a GPU is visible")
     assert main(["calibrate", *args, "--out", str(tmp_path / "x.yaml")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_small_layers_wait_on_their_kernels_launches(measured):
+    """A profile counts each layer's kernels (the same at any batch); with a measured launch the
+    model's layer time is no less than its kernels' launches."""
+    small = profile_model("gpt:layers=2,hidden=64,heads=4,seq=32")
+    assert all(layer.fwd_kernels > 0 and layer.bwd_kernels > 0 for layer in small.layers)
+    assert small.layers[1].fwd_kernels == small.layers[2].fwd_kernels  # two blocks alike
+    hw, _ = dp.device_profile(measured, preset="h100")
+    assert hw.constants["launch_s"] == measured["launch_s"] > 0
+    slow = replace(hw, constants={**hw.constants, "launch_s": 1.0})  # a second a kernel: launch-bound
+    est = estimate(small, slow, Plan(dp=1), 8)
+    kernels = sum(layer.fwd_kernels + layer.bwd_kernels for layer in small.layers)
+    assert est.breakdown["compute"] == pytest.approx(kernels)
+    without = replace(hw, constants={k: v for k, v in hw.constants.items() if k != "launch_s"})
+    assert estimate(small, without, Plan(dp=1), 8).breakdown["compute"] < est.breakdown["compute"]

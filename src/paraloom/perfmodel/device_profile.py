@@ -1,13 +1,13 @@
 """`paraloom calibrate --device cuda`: an accelerator's hardware profile from micro-benchmarks on it.
 
 Per dtype, the achieved FLOP/s of matmul, convolution, attention and element-wise work, the memory
-bandwidth (a large copy), host-device copies from pinned memory and every compressor's encode +
-decode throughput on a gradient bucket (perfmodel/microbench.py). Nothing is fitted to training
-runs. The profile keeps the data sheet's peaks where a preset names the part (so its efficiencies
-read as fractions of the published peak, beside the preset's assumed ones) and records each
-measured rate as a constant `flops.<dtype>.<class>`, which the model uses in place of peak x
-efficiency; the codecs' seconds per byte (`codec_s_per_byte.<name>`) come from the engine's
-default 25 MB bucket. One device measures no link: the links are the preset node's (NVLink inside
+bandwidth (a large copy), a kernel's launch (what a layer of small kernels waits on), host-device
+copies from pinned memory and every compressor's encode + decode throughput on a gradient bucket
+(perfmodel/microbench.py). Nothing is fitted to training runs. The profile keeps the data sheet's
+peaks where a preset names the part (so its efficiencies read as fractions of the published peak,
+beside the preset's assumed ones) and records each measured rate as a constant
+`flops.<dtype>.<class>`, which the model uses in place of peak x efficiency; the codecs' seconds
+per byte (`codec_s_per_byte.<name>`) come from the engine's default 25 MB bucket. One device measures no link: the links are the preset node's (NVLink inside
 a node, `inter` between nodes), named as assumptions.
 """
 
@@ -30,7 +30,8 @@ from paraloom.perfmodel.hardware import (
     link_preset,
     preset_node,
 )
-from paraloom.perfmodel.microbench import codec_rates, compute_rates, copy_rates
+from paraloom.perfmodel.microbench import codec_rates, compute_rates, copy_rates, launch_seconds
+from paraloom.perfmodel.strategies import LAUNCH
 
 BUCKETS_MB = (25, 100)  # the engine's default bucket, and a large one
 CODEC_BUCKET_MB = 25
@@ -55,6 +56,8 @@ def measure_device(device: torch.device, *, dtypes: tuple[str, ...] | None = Non
     for dtype in dtypes:
         progress(f"compute in {dtype}: matmul, conv, attention, element-wise, memory bandwidth")
         out["compute"][dtype] = compute_rates(device, dtype, sizes=sizes, min_s=min_s)
+    progress("a kernel's launch")
+    out["launch_s"] = launch_seconds(device, min_s=min_s)
     if cuda:
         progress("host-device copies from pinned memory")
         out["copies"] = copy_rates(device, min_s=min_s)
@@ -87,6 +90,7 @@ def device_profile(measured: dict[str, Any], *, preset: str | None = None, inter
     device = Device(name=preset or "measured", peak_flops=peaks, efficiency=efficiency,
                     mem_bandwidth=bandwidth, mem_capacity=measured["capacity"])
     constants = {f"flops.{d}.{c}": rates[c] for d, rates in compute.items() for c in OP_CLASSES}
+    constants[LAUNCH] = measured["launch_s"]
     for direction, rate in measured.get("copies", {}).items():
         constants[f"copy_bandwidth.{direction}"] = rate
     codecs = measured["codecs"].get(f"{CODEC_BUCKET_MB}MB") or next(iter(measured["codecs"].values()), {})

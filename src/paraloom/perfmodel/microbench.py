@@ -1,5 +1,6 @@
 """Micro-benchmarks of one device, CPU or CUDA: compute by op class and dtype, memory bandwidth,
-host-device copies, and each compressor's encode + decode throughput on a gradient bucket.
+a kernel's launch, host-device copies, and each compressor's encode + decode throughput on a
+gradient bucket.
 
 Each figure is work over the median time of repeated samples after a warm-up; on CUDA a sample is
 bracketed by `torch.cuda.synchronize`, so it times the kernels, not their launch. Sizes are small
@@ -75,6 +76,13 @@ def compute_rates(device: torch.device, dtype: str = "fp32", *, sizes: dict[str,
         "other": rate(lambda: torch.add(big, 1.0, out=out), big.numel(), **timed),
         "bandwidth": rate(lambda: out.copy_(big), 2 * big.numel() * big.element_size(), **timed),
     }
+
+
+def launch_seconds(device: torch.device, *, min_s: float = 0.05) -> float:
+    """Seconds per kernel of a stream of tiny ones (a one-element add): what the host needs to issue
+    a kernel, or the device to run an empty one, whichever is slower."""
+    x = torch.zeros(1, device=device)
+    return 1.0 / rate(lambda: x.add_(1.0), 1.0, device=device, min_s=min_s)
 
 
 def copy_rates(device: torch.device, nbytes: int = 2**28, *, min_s: float = 0.05) -> dict[str, float]:

@@ -23,6 +23,7 @@ OP_CLASSES = ("matmul", "conv", "attention", "other")
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # fp32 state tensors per parameter (Adam: m and v)
 PROFILE_BATCHES = (2, 4)  # per-sample values are the slope between these: batch norm needs two samples,
 # and batch-independent terms (parameter reads, batch-norm statistics) drop out of per-sample figures
+KERNELS = ("fwd_kernels", "bwd_kernels")  # counts per step, not per sample
 _ATEN = torch.ops.aten
 _FREE = {_ATEN._unsafe_view, _ATEN.detach, _ATEN.alias, _ATEN.lift_fresh, _ATEN.empty_like,
          _ATEN.new_empty, _ATEN.new_empty_strided}  # no arithmetic, no memory traffic
@@ -50,6 +51,7 @@ class _OpCounter(TorchDispatchMode):
         super().__init__()
         self.flops = dict.fromkeys(OP_CLASSES, 0.0)
         self.mem = dict.fromkeys(OP_CLASSES, 0.0)
+        self.kernels = 0  # ops that do work: on a GPU, a kernel launch each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -65,6 +67,7 @@ class _OpCounter(TorchDispatchMode):
         elif packet not in _COPIES:
             self.flops[cls] += sum(t.numel() for t in outs if t.is_floating_point())
         self.mem[cls] += sum(_nbytes(t) for t in ins + outs)
+        self.kernels += 1
         return out
 
 
@@ -101,6 +104,8 @@ class LayerProfile:
     bwd_mem_bytes: dict[str, float] = field(default_factory=dict)
     input_saved_bytes: float = 0.0  # part of activation_bytes that is this layer's input
     output_saved_bytes: float = 0.0  # part of activation_bytes that is this layer's own output
+    fwd_kernels: int = 0  # ops that do work in forward, whatever the batch (a kernel launch each on a GPU)
+    bwd_kernels: int = 0
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,8 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int]) -> tuple[dict,
               "fwd_mem_bytes": fwd.mem, "bwd_mem_bytes": bwd.mem,
               "activation_bytes": sum(saved.values()), "output_bytes": sum(_nbytes(t) for t in outs),
               "input_saved_bytes": saved.get(in_key, 0),
-              "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key)}
+              "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key),
+              "fwd_kernels": fwd.kernels, "bwd_kernels": bwd.kernels}
     single = out if isinstance(out, torch.Tensor) else None
     return counts, single.detach().requires_grad_(single.requires_grad) if single is not None else out
 
@@ -301,8 +307,9 @@ def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
     for (name, layer), small, large in zip(named, *runs, strict=True):
         params = [p for p in layer.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
-        per_sample = {k: _slope(small[k], large[k], db) for k in small}
-        layers.append(LayerProfile(name=name, param_count=sum(p.numel() for p in params), **per_sample))
+        per_sample = {k: _slope(small[k], large[k], db) for k in small if k not in KERNELS}
+        layers.append(LayerProfile(name=name, param_count=sum(p.numel() for p in params), **per_sample,
+                                   **{k: large[k] for k in KERNELS}))
     return ModelProfile(spec=spec, dtype=dtype, recompute="none", layers=tuple(layers),
                         input_bytes=(input_sizes[1] - input_sizes[0]) / db)
 

@@ -37,6 +37,7 @@ PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those p
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
 # weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
 UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
+LAUNCH = "launch_s"  # a GPU's seconds to issue one kernel (paraloom calibrate --device)
 SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
 
 
@@ -152,7 +153,9 @@ def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[t
 
 
 def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int) -> float:
-    """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower.
+    """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower;
+    and no faster than the host issues the layer's kernels where a GPU profile measured a launch
+    (`launch_s`, from `paraloom calibrate --device`): small layers wait on their launches.
 
     Megatron tensor parallelism splits the matmul, attention (and convolution) work of a layer
     tp ways; elementwise work on the replicated activations ("other") is not split.
@@ -165,7 +168,8 @@ def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, 
         compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)
         memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
         total += max(compute, memory)
-    return total
+    kernels = layer.fwd_kernels if phase == "fwd" else layer.bwd_kernels
+    return max(total, kernels * hw.constants.get(LAUNCH, 0.0))
 
 
 def host_slowdown(hw: Hardware, plan: Plan) -> float:
