@@ -7,8 +7,9 @@ copies from pinned memory and every compressor's encode + decode throughput on a
 peaks where a preset names the part (so its efficiencies read as fractions of the published peak,
 beside the preset's assumed ones) and records each measured rate as a constant
 `flops.<dtype>.<class>`, which the model uses in place of peak x efficiency; the codecs' seconds
-per byte (`codec_s_per_byte.<name>`) come from the engine's default 25 MB bucket. One device measures no link: the links are the preset node's (NVLink inside
-a node, `inter` between nodes), named as assumptions.
+per byte (`codec_s_per_byte.<name>`) come from the engine's default 25 MB bucket. One device
+measures no link: the links are the preset node's (NVLink inside a node, `inter` between nodes),
+named as assumptions.
 """
 
 from __future__ import annotations
