@@ -24,3 +24,9 @@ def test_gpu_benchmark_quick_on_cpu(tmp_path):
     assert all(len(rounds) == 2 for rounds in overhead["rounds"].values())
     assert overhead["paraloom_vs_plain"] == pytest.approx(
         overhead["step_seconds"]["paraloom"] / overhead["step_seconds"]["plain"])
+    # the prediction used the profile this run measured, and every case was measured
+    rows = report["prediction"]["rows"]
+    assert [r["case"] for r in rows] == ["tiny gpt b4 fp32", "tiny gpt b8 bf16 recompute", "mlp b32 fp32"]
+    assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 and r["measured_bytes"] is None for r in rows)
+    assert report["prediction"]["time_error_max"] == max(abs(r["time_error"]) for r in rows)
+    assert report["profile"]["constants"]["launch_s"] == report["launch_s"] > 0
