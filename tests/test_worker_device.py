@@ -1,5 +1,7 @@
 """Which GPU a rank takes: one each, or shared round-robin under gloo; NCCL refuses sharing in one line."""
 
+import os
+
 import pytest
 
 from paraloom.errors import UserError
@@ -18,3 +20,25 @@ def test_nccl_refuses_two_ranks_on_one_gpu_in_one_line(backend):
     with pytest.raises(UserError, match=r"^NCCL needs a GPU per rank: 2 ranks on this node share 1 GPU; "
                                         r"run at most 1 per node, or set comm.backend=gloo"):
         cuda_index(1, 2, 1, backend=backend)
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "2"), ("3", "3")], ids=["default", "users"])
+def test_nccl_timeouts_abort_the_communicator_so_the_loop_sees_them(monkeypatch, given, expected):
+    """Under NCCL a timed-out collective aborts its communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING=2)
+    and the next collective raises into the loop, which names the silent rank as under gloo; a
+    value the user set is kept. (Two GPUs are needed to see a real timeout: not tested here.)"""
+    import torch
+    import torch.distributed as dist
+
+    from paraloom.config import CommConfig
+    from paraloom.worker import init_distributed
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given or "")  # restored after the test
+    if given is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    joined = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: joined.append(backend))
+    init_distributed(CommConfig(backend="nccl"), torch.device("cuda", 0), interface=None)
+    assert joined == ["nccl"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected

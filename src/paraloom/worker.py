@@ -59,6 +59,11 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)  # gloo reads its interface here
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if backend == "nccl":
+        # a collective past comm.timeout_s: the watchdog aborts the communicator and the training
+        # thread's next collective raises, so the loop names the silent rank and stops or restarts
+        # as under gloo (torch's default, 3, kills the process without a word); a user's value wins
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = timedelta(seconds=comm.timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
