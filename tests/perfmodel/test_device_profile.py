@@ -50,7 +50,8 @@ def test_a_preset_keeps_its_peaks_and_the_measured_rates_are_what_the_model_uses
     # a dtype not measured: the data sheet's peak at the main dtype's measured efficiency
     assert hw.achieved_flops("fp16", "matmul") == sheet.peak_flops["fp16"] * hw.device.efficiency["matmul"]
     assert hw.constants["codec_s_per_byte.topk"] == pytest.approx(1 / measured["codecs"]["25MB"]["topk"])
-    assert hw.devices_per_node == 8 and "not measured" in hw.intra.name and "not measured" in hw.inter.name
+    assert hw.devices_per_node == hw.nics_per_node == 8  # InfiniBand: an adapter per GPU, as the preset
+    assert "not measured" in hw.intra.name and "not measured" in hw.inter.name
     assert Hardware.from_yaml(hw.to_yaml()) == hw
 
 

@@ -111,7 +111,8 @@ def test_dataclasses_check_their_fields():
     ("device: h100\ninter: carrier-pigeon", "link preset 'carrier-pigeon' is not known"),
     ("device: h100", "needs a 'inter' field"),
     ("device: {peak_flops: {fp32: 1}}\ninter: 1gbe", "needs efficiency, mem_bandwidth, mem_capacity"),
-    ("device: {preset: h100}\ninter: 1gbe", "needs devices_per_node and intra"),
+    ("device: {name: x, peak_flops: {fp32: 1}, efficiency: {matmul: 1, conv: 1, attention: 1, other: 1}, "
+     "mem_bandwidth: 1, mem_capacity: 1}\ninter: 1gbe", "needs devices_per_node and intra"),
     ("device: h100\ninter: 1gbe\nnics_per_node: 1.5", "nics_per_node=1.5 must be a positive whole number"),
     ("device: h100\ninter: 1gbe\nconstants: {step_overhead_s: soon}", "constants.step_overhead_s"),
     ("device: h100\ninter: [1gbe", "is not valid YAML (line"),
@@ -128,3 +129,25 @@ def test_unknown_preset_or_missing_file():
         load_hardware("tpu-v5")
     with pytest.raises(UserError, match="cannot read hardware profile"):
         load_hardware("/nonexistent/cluster.yaml")
+
+
+def test_a_mapping_inherits_everything_its_preset_has(capsys):
+    """`device: {preset: ...}` keeps the preset's node (devices, NVLink); `inter: {preset: ib-...}`
+    keeps one adapter per device, as the plain names do."""
+    hw = Hardware.from_yaml("device: {preset: h100, mem_capacity: 40 GiB}\n"
+                            "inter: {preset: ib-hdr, latency: 5 us}")
+    plain = load_hardware("h100-ib-hdr")
+    assert (hw.devices_per_node, hw.intra, hw.nics_per_node) == (8, plain.intra, 8)
+    assert hw.inter.bandwidth == plain.inter.bandwidth and hw.inter.latency == 5e-6
+    assert hw.device.mem_capacity == 40 * 2**30 and hw.device.peak_flops == plain.device.peak_flops
+    assert capsys.readouterr().err == ""
+
+
+def test_a_custom_profile_sharing_one_adapter_among_its_devices_says_so(capsys):
+    Hardware.from_yaml("name: lab\ndevice: h100\ninter: 100gbe")
+    err = capsys.readouterr().err
+    assert "8 devices per node share 1 network adapter of 100 Gbit/s; set nics_per_node" in err
+    Hardware.from_yaml("device: h100\ninter: 100gbe\nnics_per_node: 1")  # said: no note
+    load_hardware("h100-100gbe")  # a preset says what it is
+    Hardware.from_yaml("device: h100\ninter: ib-ndr")  # one adapter per device
+    assert capsys.readouterr().err == ""

@@ -29,6 +29,7 @@ from paraloom.perfmodel.hardware import (
     device_preset,
     device_preset_names,
     link_preset,
+    network_nics,
     preset_node,
 )
 from paraloom.perfmodel.microbench import codec_rates, compute_rates, copy_rates, launch_seconds
@@ -101,7 +102,8 @@ def device_profile(measured: dict[str, Any], *, preset: str | None = None, inter
     network = link_preset(inter)
     hw = Hardware(name=name or f"{preset or 'device'}-measured", device=device, devices_per_node=per_node,
                   intra=replace(intra, name=f"{intra.name} (preset, not measured)"),
-                  inter=replace(network, name=f"{network.name} (preset, not measured)"), constants=constants)
+                  inter=replace(network, name=f"{network.name} (preset, not measured)"), constants=constants,
+                  nics_per_node=network_nics(inter, per_node))
     comparison = {
         "preset": preset, "main_dtype": main,
         "efficiency": {d: {c: {"assumed": base.efficiency[c] if base else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib import resources
@@ -235,23 +236,45 @@ def _link(raw: Any, where: str) -> Link:
                         where.rsplit(" ", 1)[-1])
 
 
-def _hardware(raw: Any, source: str) -> Hardware:
+def network_nics(network: str, devices_per_node: int) -> int:
+    """Network adapters per node for network preset `network`: one per device where the preset
+    says so (InfiniBand, rail-optimised as DGX nodes are), else one per node."""
+    entry = _presets("links.yaml")["network"].get(_canonical_link(network), {})
+    return devices_per_node if entry.get("one_per_device", False) else 1
+
+
+def _preset_name(raw: Any) -> str | None:
+    """The preset a field names: itself when a string, its `preset:` key when a mapping."""
+    return raw if isinstance(raw, str) else raw.get("preset") if isinstance(raw, dict) else None
+
+
+def _hardware(raw: Any, source: str, *, custom: bool = True) -> Hardware:
+    """A profile from its fields. A device or link given as a mapping with `preset:` inherits all the
+    preset has (the device's usual node, the network's adapter per device); a custom profile whose
+    devices share fewer network adapters than they are, without saying so, is warned about."""
     raw = _fields(raw, HARDWARE_FIELDS, source)
     for key in ("device", "inter"):
         if key not in raw:
             raise UserError(f"{source} needs a {key!r} field (a preset name or a mapping)")
     device = _device(raw["device"], f"{source} device")
-    node = _presets("devices.yaml")[raw["device"]].get("node", {}) if isinstance(raw["device"], str) else {}
+    device_name = _preset_name(raw["device"])
+    node = _presets("devices.yaml").get(device_name, {}).get("node", {}) if device_name else {}
     devices_per_node = raw.get("devices_per_node", node.get("devices_per_node"))
     intra = raw.get("intra", node.get("intra"))
     if devices_per_node is None or intra is None:
         raise UserError(f"{source} needs devices_per_node and intra (a device preset name supplies both)")
     inter = _link(raw["inter"], f"{source} inter")
-    per_device = isinstance(raw["inter"], str) and _presets("links.yaml")["network"].get(
-        inter.name, {}).get("one_per_device", False)
-    return Hardware(name=str(raw.get("name", "custom")), device=device, devices_per_node=devices_per_node,
-                    intra=_link(intra, f"{source} intra"), inter=inter, constants=raw.get("constants") or {},
-                    nics_per_node=raw.get("nics_per_node", devices_per_node if per_device else 1))
+    network = _preset_name(raw["inter"])
+    nics = raw.get("nics_per_node", network_nics(network, devices_per_node) if network else 1)
+    hw = Hardware(name=str(raw.get("name", "custom")), device=device, devices_per_node=devices_per_node,
+                  intra=_link(intra, f"{source} intra"), inter=inter, constants=raw.get("constants") or {},
+                  nics_per_node=nics)
+    if custom and "nics_per_node" not in raw and hw.nics_per_node < hw.devices_per_node:
+        print(f"paraloom: note: {source}: {hw.devices_per_node} devices per node share "
+              f"{hw.nics_per_node} network adapter{'s' if hw.nics_per_node > 1 else ''} of "
+              f"{hw.inter.bandwidth * 8 / 1e9:g} Gbit/s; set nics_per_node if each has its own",
+              file=sys.stderr)
+    return hw
 
 
 def preset_names() -> list[str]:
@@ -273,10 +296,11 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
         network = text.removeprefix(f"{device}-")
         if network != text and _canonical_link(network) in _presets("links.yaml")["network"]:
             name = f"{device}-{_canonical_link(network)}"
-            return _hardware({"name": name, "device": device, "inter": network}, f"hardware preset {text!r}")
+            return _hardware({"name": name, "device": device, "inter": network}, f"hardware preset {text!r}",
+                             custom=False)
     raise UserError(f"hardware {text!r} is neither a YAML file nor a preset; presets: "
                     f"{', '.join(preset_names())}")
 
 
 __all__ = ["Device", "Hardware", "Link", "device_preset", "device_preset_names", "link_preset",
-           "load_hardware", "preset_names", "preset_node"]
+           "load_hardware", "network_nics", "preset_names", "preset_node"]
