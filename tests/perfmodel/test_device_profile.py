@@ -78,7 +78,8 @@ def test_the_prediction_follows_the_measured_rates_and_codecs(measured):
 
 @pytest.mark.parametrize(("name", "preset"), [
     ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-32GB", "v100"),
-    ("NVIDIA H200", None), ("NVIDIA GeForce RTX 4090", None),
+    ("Tesla V100-PCIE-32GB", "v100-pcie"), ("Tesla T4", "t4"), ("NVIDIA L4", "l4"), ("NVIDIA A10", "a10"),
+    ("AMD Instinct MI300X", "mi300x"), ("NVIDIA H200", None), ("NVIDIA GeForce RTX 4090", None),
 ])
 def test_a_devices_name_picks_its_data_sheet(name, preset):
     assert dp.preset_for(name) == preset

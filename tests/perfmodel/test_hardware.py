@@ -19,7 +19,7 @@ from paraloom.perfmodel.hardware import (
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_loads_and_round_trips(name):
     hw = load_hardware(name)
-    assert hw.name == name and hw.device.name == name.split("-")[0]
+    assert hw.name == name and name.startswith(f"{hw.device.name}-")
     assert Hardware.from_yaml(hw.to_yaml()) == hw
 
 
@@ -43,6 +43,23 @@ def test_preset_values_are_the_published_ones():
     gbits = (1, 10, 25, 100)
     assert [link_preset(f"{g}gbe").bandwidth for g in gbits] == [g * 1e9 / 8 for g in gbits]
     assert 1e-6 <= link_preset("ib-ndr").latency <= 5e-6 and 20e-6 <= link_preset("10gbe").latency <= 50e-6
+
+
+def test_the_older_smaller_and_other_vendors_parts_are_there_too():
+    """Data-sheet figures (each cited in presets/devices.yaml and links.yaml)."""
+    expected = {"p100": (10.6e12, 732e9, 16), "k80": (4.365e12, 240e9, 12), "v100-pcie": (14e12, 900e9, 32),
+                "t4": (8.1e12, 320e9, 16), "a10": (31.2e12, 600e9, 24), "l4": (30.3e12, 300e9, 24),
+                "mi300x": (163.4e12, 5.3e12, 192)}
+    for name, (fp32, bandwidth, gib) in expected.items():
+        d = device_preset(name)
+        assert (d.peak_flops["fp32"], d.mem_bandwidth, d.mem_capacity) == (fp32, bandwidth, gib * 2**30)
+    assert device_preset("mi300x").peak_flops["bf16"] == 1307.4e12
+    assert "bf16" not in device_preset("t4").peak_flops
+    assert link_preset("nvlink1").bandwidth == 80e9 and link_preset("infinity-fabric3").bandwidth == 448e9
+    assert [link_preset(f"{g}gbe").bandwidth for g in (50, 200, 400)] == [g * 1e9 / 8 for g in (50, 200, 400)]
+    assert link_preset("edr").bandwidth == 100e9 / 8 and link_preset("ib-fdr").bandwidth == 56e9 / 8
+    assert load_hardware("p100-ib-edr").intra.name == "nvlink1"
+    assert load_hardware("mi300x-ib-ndr").nics_per_node == 8 and load_hardware("t4-ib-edr").nics_per_node == 1
 
 
 def test_presets_name_a_node():

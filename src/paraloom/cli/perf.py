@@ -65,7 +65,7 @@ def calibrate(
         help="measure this GPU (cuda, cuda:N) instead of the CPU: compute per dtype, memory, copies, codecs")
     ] = None,
     preset: Annotated[str | None, typer.Option(
-        help="with --device: the data sheet the efficiencies are fractions of (h100, a100, v100; "
+        help="with --device: the data sheet the efficiencies are fractions of (h100, a100, t4, ...; "
              "default: the one the device's name matches)")] = None,
     inter: Annotated[str, typer.Option(help="with --device: the network preset between nodes")] = "ib-ndr",
 ) -> None:

@@ -43,7 +43,8 @@ MAIN_DTYPES = ("bf16", "fp16", "fp32")  # the efficiencies are given for the fir
 def preset_for(device_name: str) -> str | None:
     """The device preset a device's name matches ("NVIDIA H100 80GB HBM3" -> "h100"), or None."""
     low = device_name.lower()
-    return next((name for name in device_preset_names() if re.search(rf"\b{re.escape(name)}\b", low)), None)
+    found = [name for name in device_preset_names() if re.search(rf"\b{re.escape(name)}\b", low)]
+    return max(found, key=len, default=None)  # "v100-pcie" before "v100"
 
 
 def measure_device(device: torch.device, *, dtypes: tuple[str, ...] | None = None,
