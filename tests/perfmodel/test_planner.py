@@ -70,8 +70,21 @@ def test_one_given_plan_is_predicted(tmp_path):
     out = tmp_path / "one.json"
     assert main(["plan", "--model", GPT, "--cluster", "a100-hdr", "--nodes", "1", "--global-batch", "64",
                  "--plan", "dp=2,tp=2,pp=2,microbatches=4", "--json", str(out)]) == 0
-    est = json.loads(out.read_text())["estimate"]
+    report = json.loads(out.read_text())
+    est = report["estimate"]
     assert est["plan"]["tp"] == 2 and est["label"] == "dp2 tp2 pp2 m4 1f1b wait_free"
+    # scaling efficiency against one device, and the model and the step's phases in the JSON
+    one = report["one_device"]
+    efficiency = est["samples_per_s"] / 8 / one["samples_per_s"]
+    assert report["efficiency_vs_one_device"] == pytest.approx(efficiency)
+    assert 0 < report["efficiency_vs_one_device"] <= 1.0
+    model = report["profile"]
+    assert model["parameters"] == profile_model(GPT).n_params
+    assert model["flops_per_step"] == pytest.approx(model["forward_flops_per_step"]
+                                                    + model["backward_flops_per_step"])
+    assert model["backward_flops_per_step"] == pytest.approx(2 * model["forward_flops_per_step"], rel=0.3)
+    assert set(est["phases"]) == {"forward", "backward", "update"}
+    assert all(v > 0 for v in est["phases"].values())
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys):

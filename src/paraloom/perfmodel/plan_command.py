@@ -17,7 +17,7 @@ from paraloom.perfmodel.hardware import Hardware, load_hardware
 from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
 from paraloom.perfmodel.profile import profile_model
 from paraloom.perfmodel.specs import parse_args
-from paraloom.perfmodel.strategies import Estimate, Options, estimate
+from paraloom.perfmodel.strategies import Estimate, Options, Plan, estimate
 from paraloom.rules import UNUSED_SETTINGS, strategy_for
 
 GPT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}
@@ -61,12 +61,16 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
             raise UserError(f"plan {given.label()!r} needs {given.devices} devices; {n} node(s) of "
                             f"{hw.name} have {n * hw.devices_per_node}")
         e = estimate(profile, hw, given, global_batch, options)
-        table = _table(f"{model} on {n} x {hw.name}, global batch {global_batch}: predicted")
-        _row(table, e, n, None)
+        one = estimate(profile, hw, Plan(), global_batch, options)  # one device, fitting or not
+        efficiency = e.samples_per_s / (given.devices * one.samples_per_s)
+        table = _table(f"{model} on {n} x {hw.name}, global batch {global_batch}: predicted "
+                       f"(efficiency against one device)")
+        _row(table, e, n, efficiency)
         console.print(table)
         console.print({k: f"{v * 1e3:.2f} ms" for k, v in e.breakdown.items()})
         report = {"model": model, "hardware": hw.to_dict(), "global_batch": global_batch,
-                  "nodes": n, "estimate": e.to_dict()}
+                  "nodes": n, "estimate": e.to_dict(), "efficiency_vs_one_device": efficiency,
+                  "one_device": one.to_dict()}
     else:
         results: list[Ranked] = []
         with Progress(console=console, transient=True) as progress:
@@ -102,6 +106,7 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
             plot_scaling(results, plot, title=f"{model} on {hw.name}")
             console.print(f"plot: {plot}")
         e = top_plan
+    report["profile"] = profile_summary(profile, global_batch)
     if emit is not None:
         emit_nodes = report["recommended"]["nodes"] if "recommended" in report else report["nodes"]
         emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes, dtype=dtype, data=data))
@@ -109,6 +114,17 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def profile_summary(profile, global_batch: int) -> dict[str, Any]:
+    """What the model is, for the JSON: parameters, and FLOPs per step by phase and in all."""
+    flops = {phase: sum(profile.flops_by_class(phase).values()) * global_batch
+             for phase in ("fwd", "bwd", "recompute")}
+    return {"spec": profile.spec, "dtype": profile.dtype, "recompute": profile.recompute,
+            "parameters": profile.n_params, "layers": len(profile.layers),
+            "flops_per_step": sum(flops.values()),
+            "forward_flops_per_step": flops["fwd"], "backward_flops_per_step": flops["bwd"],
+            "recompute_flops_per_step": flops["recompute"]}
 
 
 def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes: int, *,

@@ -97,6 +97,8 @@ class Estimate:
     fits: bool
     bottleneck: str  # the largest term of `breakdown`
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by cause
+    phases: dict[str, float] = field(default_factory=dict)  # forward, backward (recomputation included)
+    # and update seconds of the step's own work, before any overlap or waiting
 
     def to_dict(self) -> dict:
         return {**asdict(self), "plan": asdict(self.plan), "label": self.plan.label()}
@@ -317,9 +319,10 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         samples = fast + global_batch / plan.dp / (step + (opts.straggler - 1) * pipeline)
     memory = device_memory(profile, plan, stages, micro, opts)
     terms = {k: v for k, v in breakdown.items() if k != "dp_comm_total"}
+    phases = {"forward": sum(fwd) / plan.pp * m, "backward": sum(bwd) / plan.pp * m, "update": update}
     return Estimate(plan=plan, step_s=step, samples_per_s=samples, memory_bytes=memory,
                     fits=memory <= hw.device.mem_capacity, bottleneck=max(terms, key=terms.get),
-                    breakdown=breakdown)
+                    breakdown=breakdown, phases=phases)
 
 
 def _flag_guard(plan: Plan, opts: Options) -> bool:
