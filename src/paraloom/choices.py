@@ -8,7 +8,8 @@ its list by a test, so a name cannot be offered that nothing implements, nor the
 from __future__ import annotations
 
 # ---- what is trained
-MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "vgg16")  # paraloom.models
+MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16",
+          "alexnet")  # paraloom.models
 DATASETS = ("digits", "synthetic", "text")  # paraloom.data; text: the stdlib's source bytes
 OPTIMIZERS = ("adam", "adamw", "sgd", "lars", "lamb")  # the usual; optim.name takes any torch.optim class
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # after optim.warmup_steps of linear warm-up

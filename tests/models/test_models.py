@@ -15,7 +15,9 @@ SMALL = {
     "resnet18": ((1, 8, 8), 10),
     "resnet50": ((1, 8, 8), 10),
     "resnet101": ((1, 8, 8), 10),
+    "resnet152": ((1, 8, 8), 10),
     "vgg16": ((1, 8, 8), 10),
+    "alexnet": ((1, 8, 8), 10),
     "gpt": ((16,), 256),
 }
 # keeps the real forward passes of the deep models fast on two cores; the shapes do not depend on it
@@ -64,7 +66,7 @@ def test_forward_shape_on_cpu(name):
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet101", "vgg16"])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet101", "vgg16", "alexnet"])
 @pytest.mark.parametrize("shape", [(3, 32, 32), (3, 64, 64), (3, 9, 13)])
 def test_image_models_take_other_sizes(name, shape):
     model = build_model(name, shape, 7, **NARROW)
@@ -75,7 +77,8 @@ def test_image_models_take_other_sizes(name, shape):
 
 
 @pytest.mark.parametrize(("name", "expected"), [("resnet18", 11_689_512), ("resnet50", 25_557_032),
-                                                ("resnet101", 44_549_160), ("vgg16", 138_357_544)])
+                                                ("resnet101", 44_549_160), ("resnet152", 60_192_808),
+                                                ("vgg16", 138_357_544), ("alexnet", 61_100_840)])
 def test_imagenet_parameter_counts_match_torchvision(name, expected):
     with torch.device("meta"):
         model = build_model(name, (3, 224, 224), 1000)
@@ -154,4 +157,4 @@ def test_image_models_reject_sequences(name):
 
 def test_unknown_model_lists_the_names():
     with pytest.raises(UserError, match="resnet18"):
-        build_model("alexnet", (3, 32, 32), 10)
+        build_model("lenet", (3, 32, 32), 10)

@@ -87,8 +87,11 @@ def test_flops_by_class_match_flop_counter_mode_on_the_whole_model(spec):
     assert counted == counter.get_total_flops() / 2
 
 
-@pytest.mark.parametrize("spec", ["mlp", "cnn", "resnet18", "resnet50", "resnet101", "vgg16", GPT_SMALL,
-                                  "vgg16:input=1x8x8,classes=10,batch_norm=true", "gpt"])
+ZOO_SPECS = ["mlp", "cnn", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16", "alexnet", GPT_SMALL,
+             "vgg16:input=1x8x8,classes=10,batch_norm=true", "gpt"]
+
+
+@pytest.mark.parametrize("spec", ZOO_SPECS)
 def test_parameter_counts_equal_the_real_model(spec):
     assert profile_model(spec).n_params == _n_params(spec)
 

@@ -1,9 +1,10 @@
-"""ResNet-18, -50 and -101 (He et al. 2015, v1.5 strides), laid out as a sequence of pieces.
+"""ResNet-18, -50, -101 and -152 (He et al. 2015, v1.5 strides), laid out as a sequence of pieces.
 
 A `ResNet` is an `nn.Sequential` of `[stem, block, ..., block, head]` so pipeline stages are slices
 of it. Images of at least 64x64 get the ImageNet stem (7x7 stride-2 convolution and a max-pool);
 smaller ones (32x32, the 8x8 digits) get a 3x3 stride-1 stem and no pool, as for CIFAR. With the
-ImageNet stem and 1000 classes the parameter counts match torchvision's (11.7M, 25.6M, 44.5M).
+ImageNet stem and 1000 classes the parameter counts match torchvision's (11.7M, 25.6M, 44.5M,
+60.2M).
 """
 
 from __future__ import annotations
@@ -116,4 +117,11 @@ class ResNet101(ResNet):
         super().__init__(input_shape, n_classes, block=Bottleneck, layers=(3, 4, 23, 3), width=width)
 
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNet18", "ResNet50", "ResNet101"]
+class ResNet152(ResNet):
+    name = "resnet152"
+
+    def __init__(self, input_shape: tuple[int, ...], n_classes: int, *, width: int = 64, **_: object) -> None:
+        super().__init__(input_shape, n_classes, block=Bottleneck, layers=(3, 8, 36, 3), width=width)
+
+
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNet18", "ResNet50", "ResNet101", "ResNet152"]
