@@ -89,7 +89,8 @@ def test_one_given_plan_is_predicted(tmp_path):
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
     for args in (["--nodes", "0..4"], ["--plan", "dp=2,zz=1"], ["--model", "nonesuch"],
-                 ["--cluster", "tpu-v9"], ["--global-batch", "0"]):
+                 ["--cluster", "tpu-v9"], ["--global-batch", "0"], ["--model", "gpt:layers=1000000"],
+                 ["--model", "mlp:depth=100000"]):
         base = {"--model": GPT, "--cluster": "a100-hdr", "--nodes": "1"}
         base.update(dict(zip(args[::2], args[1::2], strict=True)))
         argv = ["plan", *[x for kv in base.items() for x in kv]]

@@ -30,6 +30,7 @@ ZOO_DEFAULTS: dict[str, tuple[tuple[int, ...], int]] = {
 }
 GPT_ALIASES = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}  # spec key -> GPT keyword
 SHAPE_KEYS = {"gpt": ("seq", "vocab")}  # per model: keys for (input shape, classes); others: input, classes
+MAX_LAYERS = 4096  # deeper zoo specs are refused before anything is built
 NOT_IN_SPEC = {"recompute": "give recompute as the profile option (recompute='full'), not in the spec"}
 
 
@@ -112,6 +113,10 @@ def _zoo(spec: str, name: str, args: dict[str, Any], device: torch.device) -> tu
         else:
             raise UserError(f"model spec {spec!r}: {name} takes no argument {key!r}; "
                             f"choose from {', '.join(valid)}")
+    for key in ("n_layers", "depth"):  # a model this deep would take minutes to build, even on meta
+        if kwargs.get(key, 0) > MAX_LAYERS:
+            raise UserError(f"model spec {spec!r}: {kwargs[key]:,} layers is more than the {MAX_LAYERS:,} "
+                            "the planner profiles (the deepest published models have a few hundred)")
     with device:
         model = cls(shape, n_classes, **kwargs)
     if name == "gpt":
