@@ -158,3 +158,40 @@ def test_image_models_reject_sequences(name):
 def test_unknown_model_lists_the_names():
     with pytest.raises(UserError, match="resnet18"):
         build_model("lenet", (3, 32, 32), 10)
+
+
+def test_llama_style_has_llama_2_7bs_parameter_count():
+    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.specs import build_from_spec
+
+    spec = "gpt:layers=32,hidden=4096,heads=32,seq=4096,vocab=32000,style=llama,ffn=11008"
+    model, _ = build_from_spec(spec, "meta")
+    assert _n_params(model) == 6_738_415_616  # Touvron et al. 2023, Llama 2 7B (untied head)
+    assert model.style == "llama" and model[0].pos is None and isinstance(model[1].ln1, nn.RMSNorm)
+    assert model[1].attn.qkv.bias is None and model[1].mlp.fc.out_features == 2 * 11008
+    assert profile_model("gpt:layers=2,hidden=64,heads=4,seq=32,style=llama").n_params == _n_params(
+        build_from_spec("gpt:layers=2,hidden=64,heads=4,seq=32,style=llama", "meta")[0])
+
+
+def test_rotary_positions_make_scores_depend_on_the_offset_only():
+    from paraloom.models.gpt import llama_ffn, rotate
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 6, 8)
+    scores = rotate(q)[0, 0] @ rotate(k)[0, 0].T  # the same query and key at every position
+    for offset in range(-5, 6):
+        diagonal = torch.diagonal(scores, offset)
+        assert torch.allclose(diagonal, diagonal[0].expand_as(diagonal), atol=1e-5)
+    assert torch.allclose(rotate(q).norm(dim=-1), q.norm(dim=-1))
+    assert llama_ffn(4096) == 11008 and llama_ffn(128) == 512
+
+
+def test_llama_style_trains_and_refuses_what_it_cannot_build():
+    model = build_model("gpt", (16,), 256, n_layers=2, d_model=32, n_heads=4, style="llama")
+    x = torch.randint(0, 256, (2, 16))
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(UserError, match="style='bert' is not known; choose one of: gpt, llama"):
+        build_model("gpt", (16,), 256, style="bert")
+    with pytest.raises(UserError, match="rotary positions need an even head size"):
+        build_model("gpt", (16,), 256, d_model=12, n_heads=4, style="llama")

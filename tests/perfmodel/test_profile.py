@@ -213,9 +213,9 @@ def test_a_user_model_takes_its_input_from_the_data_set_and_is_profiled_piece_by
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("alexnet", "package.module:factory"),
+    ("lenet", "package.module:factory"),
     ("gpt:layers=2,depth=3", "choose from seq, vocab, layers, hidden, heads"),
-    ("gpt:layers=two", "must be a number"),
+    ("gpt:layers=two", "layers=.two. must be a whole number"),
     ("gpt:layers=2.5", "must be a whole number"),
     ("gpt:layers=0", "must be positive"),
     ("gpt:recompute=true", "recompute='full'"),

@@ -109,6 +109,27 @@ def test_training_equals_single_process(tp):
             assert_same_parameters(state, ref_state, name)
 
 
+def _train_llama_tp(rank, world):
+    model = apply_tensor_parallel(make_gpt(style="llama", ffn=48), None)
+    assert model[1].mlp.fc.weight.shape[0] == 2 * 48 // world and model[1].attn.qkv.bias is None
+    losses = train(model, "sgd", lambda logits, y: tp_loss(logits, y, None), make_batches())
+    return losses, full_state_dict(model, None)
+
+
+def test_llama_style_training_equals_single_process():
+    """Rotary positions, RMS norms and a SwiGLU MLP whose gate and up rows each rank keeps in pairs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_gpt(style="llama", ffn=48)
+        ref_losses = train(model, "sgd", full_loss, make_batches())
+    finally:
+        torch.set_num_threads(threads)
+    for losses, state in run_workers(_train_llama_tp, 2):
+        assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        assert_same_parameters(state, model.state_dict(), "sgd")
+
+
 def _state_and_memory(rank, world):
     full = make_gpt()
     model = apply_tensor_parallel(make_gpt(), dist.group.WORLD)

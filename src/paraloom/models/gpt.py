@@ -1,5 +1,11 @@
 """GPT: a decoder-only transformer (byte-level by default), laid out as a sequence of pieces.
 
+`style="gpt"` (the default) is GPT-2's block: learned positions, layer norms, a GELU MLP 4x wide,
+biases. `style="llama"` is Llama's (Touvron et al. 2023): rotary positions on queries and keys,
+RMS norms, a SwiGLU MLP `ffn` wide (default Llama's 2/3 x 4 x d_model rounded up to 256), no
+biases; `gpt:layers=32,hidden=4096,heads=32,seq=4096,vocab=32000,style=llama,ffn=11008` is
+Llama-2-7B's shape, 6,738,415,616 parameters.
+
 `GPT` is an `nn.Sequential` of `[Embedding, Block, ..., Block, Head]`, so plain model parallelism
 and pipeline stages are slices of it, and tensor parallelism rewrites the blocks in place.
 The attention's fused `qkv` projection has output rows laid out as (3, n_heads, head_dim):
@@ -30,53 +36,80 @@ TP_PLAN: dict[str, Any] = {
     "*.mlp.proj": "rowwise",
     "*.out": "colwise",  # vocabulary-sharded logits, for the vocabulary-parallel loss
 }
+# Llama: the MLP's gate and up projections are stacked in one weight: each rank keeps its rows of both
+LLAMA_TP_PLAN: dict[str, Any] = {**TP_PLAN, "*.mlp.fc": {"style": "colwise", "fused": 2}}
+STYLES = ("gpt", "llama")
 
 
 class Embedding(nn.Module):
-    """Token embedding plus a learned position embedding: (B, T) bytes -> (B, T, d_model)."""
+    """Token embedding plus, unless `rotary`, a learned position embedding: (B, T) -> (B, T, d_model)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, d_model: int) -> None:
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, *, rotary: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.pos = None if rotary else nn.Embedding(seq_len, d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        x = self.tok(idx)
+        return x if self.pos is None else x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+def rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) of (B, heads, T, head_dim) queries or keys: each
+    pair of features (i, i + head_dim / 2) turned by position x base^(-2i / head_dim)."""
+    t, half = x.shape[-2], x.shape[-1] // 2
+    freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angle = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freq
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
 class Attention(nn.Module):
     """Causal multi-head self-attention; `n_heads` is the number of heads this module computes."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, rotary: bool = False, bias: bool = True) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, d_model // n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.n_heads, self.head_dim, self.rotary = n_heads, d_model // n_heads, rotary
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.rotary:
+            q, k = rotate(q), rotate(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int) -> None:
+    """GELU MLP (`fc` to `width`, `proj` back), or SwiGLU (`fc` holds the gate and up projections)."""
+
+    def __init__(self, d_model: int, width: int, *, gated: bool = False, bias: bool = True) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.proj = nn.Linear(4 * d_model, d_model)
+        self.gated = gated
+        self.fc = nn.Linear(d_model, 2 * width if gated else width, bias=bias)
+        self.proj = nn.Linear(width, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(F.silu(gate) * up)
         return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block; with `recompute` its activations are recomputed in backward."""
 
-    def __init__(self, d_model: int, n_heads: int, *, recompute: bool = False) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, recompute: bool = False, style: str = "gpt",
+                 ffn: int | None = None) -> None:
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d_model), Attention(d_model, n_heads)
-        self.ln2, self.mlp = nn.LayerNorm(d_model), FeedForward(d_model)
+        llama = style == "llama"
+        norm = (lambda: nn.RMSNorm(d_model, eps=1e-5)) if llama else (lambda: nn.LayerNorm(d_model))
+        self.ln1, self.attn = norm(), Attention(d_model, n_heads, rotary=llama, bias=not llama)
+        self.ln2 = norm()
+        self.mlp = FeedForward(d_model, ffn or 4 * d_model, gated=llama, bias=not llama)
         self.recompute = recompute
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,24 +123,32 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final layer norm and the language-model head: (B, T, d_model) -> (B, T, vocab) logits."""
+    """Final norm and the language-model head: (B, T, d_model) -> (B, T, vocab) logits."""
 
-    def __init__(self, d_model: int, vocab_size: int) -> None:
+    def __init__(self, d_model: int, vocab_size: int, *, rms: bool = False) -> None:
         super().__init__()
-        self.ln = nn.LayerNorm(d_model)
+        self.ln = nn.RMSNorm(d_model, eps=1e-5) if rms else nn.LayerNorm(d_model)
         self.out = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln(x))
 
 
+def llama_ffn(d_model: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width: 2/3 of 4 x d_model, rounded up to a multiple of `multiple_of`."""
+    width = int(2 * 4 * d_model / 3)
+    return multiple_of * -(-width // multiple_of)
+
+
 class GPT(nn.Sequential):
-    """`GPT((seq_len,), vocab_size, n_layers=, d_model=, n_heads=, recompute=)`: logits (B, T, vocab)."""
+    """`GPT((seq_len,), vocab_size, n_layers=, d_model=, n_heads=, recompute=, style=, ffn=)`: logits
+    (B, T, vocab)."""
 
     tp_plan: ClassVar[dict[str, Any]] = TP_PLAN
 
     def __init__(self, input_shape: tuple[int, ...], n_classes: int = 256, *, n_layers: int = 4,
-                 d_model: int = 128, n_heads: int = 4, recompute: bool = False, **_: object) -> None:
+                 d_model: int = 128, n_heads: int = 4, recompute: bool = False, style: str = "gpt",
+                 ffn: int = 0, **_: object) -> None:
         if len(input_shape) != 1:
             raise UserError(f"the gpt needs token sequences shaped (seq_len,), got {input_shape}: "
                             "use data.name=text")
@@ -115,8 +156,18 @@ class GPT(nn.Sequential):
             options = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise UserError(f"model.n_heads={n_heads} does not divide model.d_model={d_model}; "
                             f"choose n_heads in {{{', '.join(map(str, options))}}}")
-        super().__init__(Embedding(n_classes, input_shape[0], d_model),
-                         *(Block(d_model, n_heads, recompute=recompute) for _ in range(n_layers)),
-                         Head(d_model, n_classes))
+        if style not in STYLES:
+            raise UserError(f"the gpt's style={style!r} is not known; choose one of: {', '.join(STYLES)}")
+        llama = style == "llama"
+        if llama and (d_model // n_heads) % 2:
+            raise UserError(f"rotary positions need an even head size; d_model={d_model} / n_heads={n_heads} "
+                            f"is {d_model // n_heads}")
+        width = ffn or (llama_ffn(d_model) if llama else 4 * d_model)
+        super().__init__(Embedding(n_classes, input_shape[0], d_model, rotary=llama),
+                         *(Block(d_model, n_heads, recompute=recompute, style=style, ffn=width)
+                           for _ in range(n_layers)),
+                         Head(d_model, n_classes, rms=llama))
+        if llama:
+            self.tp_plan = LLAMA_TP_PLAN
         self.seq_len, self.vocab_size, self.n_layers = input_shape[0], n_classes, n_layers
-        self.d_model, self.n_heads = d_model, n_heads
+        self.d_model, self.n_heads, self.style, self.ffn = d_model, n_heads, style, width

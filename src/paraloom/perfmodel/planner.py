@@ -30,7 +30,7 @@ def tp_sizes(spec: str) -> tuple[int, ...]:
     sizes = []
     for m in model.modules():
         if isinstance(m, Block):
-            sizes += [m.attn.n_heads, m.mlp.fc.out_features]
+            sizes += [m.attn.n_heads, m.mlp.proj.in_features]  # heads, MLP width
         elif isinstance(m, Head):
             sizes.append(m.out.out_features)
     return tuple(sizes)

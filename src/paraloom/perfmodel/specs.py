@@ -47,9 +47,11 @@ def _value(spec: str, key: str, text: str) -> Any:
         try:
             return tuple(int(part) for part in low.split("x"))
         except ValueError:
-            pass
-    raise UserError(f"model spec {spec!r}: {key}={text!r} must be a number, true/false, "
-                    "or (for input) a shape such as 3x224x224")
+            raise UserError(f"model spec {spec!r}: {key}={text!r} must be a number or a shape such as "
+                            "3x224x224") from None
+    if low.isidentifier():
+        return low  # a name (gpt's style=llama); the model's keyword says whether it takes one
+    raise UserError(f"model spec {spec!r}: {key}={text!r} must be a number, true/false or a name")
 
 
 def parse_args(spec: str, text: str) -> dict[str, Any]:
@@ -79,7 +81,8 @@ def _check_type(spec: str, key: str, value: Any, default: Any) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
             raise UserError(f"model spec {spec!r}: {key}={value} must be positive")
         return
-    want = "true or false" if kind is bool else "a number" if kind is float else "a whole number"
+    want = ("true or false" if kind is bool else "a number" if kind is float else "a name" if kind is str
+            else "a whole number")
     raise UserError(f"model spec {spec!r}: {key}={value!r} must be {want}")
 
 

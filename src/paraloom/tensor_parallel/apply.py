@@ -34,7 +34,7 @@ def apply_tensor_parallel(module: nn.Module, tp_group: dist.ProcessGroup | None 
     `TP_PLAN`, not strict. Every rank of `tp_group` must start from the same full weights (build the
     model with the same seed). Refuses a model split already. Returns `module`.
     """
-    return apply_tp_plan(module, TP_PLAN, tp_group, strict=False)
+    return apply_tp_plan(module, getattr(module, "tp_plan", TP_PLAN), tp_group, strict=False)
 
 
 def trace_tensor_parallel(module: nn.Module, timeline: Timeline | None) -> int:
