@@ -10,6 +10,7 @@ from paraloom.data_parallel import DataParallel
 from paraloom.errors import UserError
 from paraloom.models.gpt import GPT
 from paraloom.pipeline_parallel import (
+    Chunks,
     PipelineStage,
     balance_by_params,
     make_schedule,
@@ -236,3 +237,59 @@ def _two_stages_in_a_row(rank, world):
 def test_a_second_stage_on_the_same_group_runs_after_the_first():
     first, second = run_workers(_two_stages_in_a_row, 2, timeout=30)
     assert first == second and first[:2] == first[2:]  # the same model and data, the same losses
+
+
+def _interleaved(rank, world, m, v, static_shapes, dp):
+    """Interleaved 1F1B on p = world / dp stages of v chunks each (virtual stage c p + s), through
+    the data-parallel engine when dp > 1; every rank's chunks' parameters by virtual stage."""
+    groups = Topology(dp=dp, pp=world // dp).init_groups()
+    p = world // dp
+    gpt = make_gpt()
+    bounds = balance_by_params(gpt, p * v)
+    chunks = Chunks(stage_module(gpt, bounds, c * p + groups.pp_rank) for c in range(v))
+    module = DataParallel(chunks, group=groups.dp_group) if dp > 1 else chunks
+    opt = make_optimizer("sgd", chunks.parameters())
+    stage = PipelineStage(module, pp_group=groups.pp_group, loss_fn=lm_loss, static_shapes=static_shapes,
+                          virtual_stages=v)
+    x, y = data()
+    share = slice(groups.dp_rank * BATCH // dp, (groups.dp_rank + 1) * BATCH // dp)
+    losses, outs = [], []
+    for t in range(STEPS):
+        inputs = split_microbatches(x[t][share], m) if stage.is_first else None
+        targets = split_microbatches(y[t][share], m) if stage.is_last else None
+        no_sync = module.no_sync if dp > 1 else None
+        loss, stats = stage.step("interleaved_1f1b", inputs, targets, n_microbatches=m, no_sync=no_sync,
+                                 broadcast_loss=True)
+        if dp > 1:
+            module.step(opt)
+            dist.all_reduce(loss, group=groups.dp_group)
+        else:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item() / dp)
+        assert stats.n_microbatches == m and 0 <= stats.bubble < 1
+    with torch.no_grad():  # forward only through the ring of chunks: the last stage gets the logits
+        outs = stage.infer(x[0][share] if stage.is_first else None, module=chunks)
+    if dp > 1:
+        module.close()
+    params = {c * p + groups.pp_rank: [q.detach().clone() for q in chunk.parameters()]
+              for c, chunk in enumerate(chunks)}
+    return groups.dp_rank, losses, params, outs
+
+
+@pytest.mark.parametrize(("world", "m", "v", "static_shapes", "dp"), [
+    (2, 2, 2, False, 1), (2, 4, 3, True, 1), (4, 2, 2, True, 2), (4, 4, 3, False, 2)],
+    ids=["p2-m2-v2", "p2-m4-v3-static", "dp2xp2-m2-v2-static", "dp2xp2-m4-v3"])
+def test_interleaved_equals_one_process(world, m, v, static_shapes, dp):
+    ref_losses, ref_params = reference("sgd")
+    results = run_workers(_interleaved, world, m, v, static_shapes, dp)
+    for replica in range(dp):
+        chunks = {}
+        for dp_rank, losses, params, _ in results:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+            if dp_rank == replica:
+                chunks.update(params)
+        assert sorted(chunks) == list(range(len(chunks)))
+        torch.testing.assert_close([q for u in sorted(chunks) for q in chunks[u]], ref_params)
+    logits = [out for *_, out in results if out is not None]
+    assert len(logits) == dp and logits[0].shape == (BATCH // dp, SEQ, VOCAB)

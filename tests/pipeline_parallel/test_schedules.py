@@ -32,7 +32,7 @@ def test_action_text():
 
 def test_registry_keys():
     assert SCHEDULES["gpipe"] is ScheduleGPipe and SCHEDULES["1f1b"] is Schedule1F1B
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "layers"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "layers", "interleaved_1f1b"}
 
 
 def test_1f1b_p4_m8():
@@ -127,3 +127,27 @@ def test_idle_fraction_matches_theory(name, p, m):
 def test_bubble_fraction_values():
     assert bubble_fraction(1, 8) == 0
     assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 8, 2), (4, 8, 2), (4, 4, 3), (2, 2, 2), (8, 16, 4)])
+def test_interleaved_1f1b_is_valid_and_its_bubble_shrinks_v_fold(p, m, v):
+    schedule = make_schedule("interleaved_1f1b", p, m, v)
+    validate(schedule, m)
+    assert all(len(actions) == 2 * m * v for actions in schedule)
+    assert idle_fraction(schedule) == pytest.approx(bubble_fraction(p, m, v))
+    assert bubble_fraction(p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+    assert idle_fraction(schedule) < idle_fraction(make_schedule("1f1b", p, m))
+
+
+def test_interleaved_order_and_notation():
+    stage0 = make_schedule("interleaved_1f1b", 2, 4, 2)[0]
+    # warm-up: (p - s - 1) * 2 + (v - 1) * p = 4 forwards, a group of p micro-batches per chunk
+    assert [str(a) for a in stage0[:6]] == ["F0", "F1", "F0.1", "F1.1", "F2", "B0.1"]
+    assert Action.parse("F2.1") == Action("F", 2, 1) and str(Action("B", 3, 2)) == "B3.2"
+    assert "F0.1" in format_grid(make_schedule("interleaved_1f1b", 2, 2, 2))
+    with pytest.raises(UserError, match="n_microbatches=3 is not a multiple of 2"):
+        make_schedule("interleaved_1f1b", 2, 3, 2)
+    with pytest.raises(UserError, match="virtual_stages=2 is for schedule 'interleaved_1f1b'"):
+        make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(UserError, match="misses B of micro-batch.*1.1"):
+        validate([[a for a in stage0 if a != Action("B", 1, 1)]], 4)

@@ -13,8 +13,14 @@ within one. With `static_shapes=True` only the first step of each micro-batch in
 header: later steps reuse the learnt shape, so a receive is posted actions ahead with no header
 round trip first (a sender whose shape changes then stops with an error that says so).
 Gradients need no header: a stage knows the shape of its own output.
-Tags are unique per (micro-batch, channel): header, activation, gradient. `infer` sends one batch
-forward only (evaluation), with the same header, on tags of its own.
+Tags are unique per (micro-batch, boundary, channel): header, activation, gradient, where the
+boundary is between virtual stages u and u + 1. `infer` sends one batch forward only
+(evaluation), with the same header, on tags of its own.
+
+With `virtual_stages=v` (interleaved 1F1B) a stage holds v model chunks and `module(x, chunk=c)`
+runs chunk c (`Chunks`); chunk c of stage s is virtual stage u = c p + s, so the last stage's
+chunk c sends on to the first stage's chunk c + 1. Everything keyed by micro-batch is keyed by
+(micro-batch, chunk).
 
 With an active `Timeline` a step records "F{i}" / "B{i}" (lane "compute"), "send F{i} to stage {k}"
 / "send B{i} to stage {k}" and "wait F{i}" / "wait B{i}" (lane "p2p"); without one, `is None` checks.
@@ -44,8 +50,16 @@ HEADER_TAG, ACTIVATION_TAG, GRAD_TAG = range(3)
 INFER_TAG = 1 << 20  # forward-only messages (`infer`): beyond any step's micro-batch tags
 
 
-def _tag(microbatch: int, channel: int) -> int:
-    return microbatch * 3 + channel
+def _tag(microbatch: int, boundary: int, channel: int, n_virtual: int) -> int:
+    """The tag of a message across `boundary` (virtual stage u to u + 1) for `microbatch`."""
+    return (microbatch * n_virtual + boundary) * 3 + channel
+
+
+class Chunks(nn.ModuleList):
+    """A stage's model chunks under an interleaved schedule: `chunks(x, chunk=c)` runs chunk c."""
+
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        return self[chunk](x)
 
 
 @dataclass
@@ -106,13 +120,16 @@ class PipelineStage:
     def __init__(self, module: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
                  stage: int | None = None, n_stages: int | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 static_shapes: bool = False, timeline: Timeline | None = None) -> None:
+                 static_shapes: bool = False, timeline: Timeline | None = None,
+                 virtual_stages: int = 1) -> None:
         self.module = module
+        self.v = virtual_stages
         self.timeline = timeline
         self.static_shapes = static_shapes
-        self.sent_shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # micro-batch -> what F_i sent
-        self.recv_shapes: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}  # micro-batch -> what F_i got
-        self.held_bytes: dict[int, int] = {}  # static shapes: micro-batch -> bytes F_i kept (measured once)
+        Shape = tuple[torch.dtype, tuple[int, ...]]
+        self.sent_shapes: dict[tuple[int, int], Shape] = {}  # (micro-batch, chunk) -> what its F sent
+        self.recv_shapes: dict[tuple[int, int], Shape] = {}  # (micro-batch, chunk) -> what its F got
+        self.held_bytes: dict[tuple[int, int], int] = {}  # static shapes: bytes an F kept (measured once)
         self.group = pp_group
         self.peers = Peers(pp_group)
         self.stage = self.peers.rank if stage is None else stage
@@ -134,6 +151,10 @@ class PipelineStage:
         self.history: list[StepStats] = []
 
     @property
+    def n_virtual(self) -> int:
+        return self.n_stages * self.v
+
+    @property
     def is_first(self) -> bool:
         return self.stage == 0
 
@@ -145,7 +166,7 @@ class PipelineStage:
         """This stage's actions under the registered schedule `name` (validated once, then cached)."""
         key = (name, n_microbatches)
         if key not in self._schedules:
-            schedule = make_schedule(name, self.n_stages, n_microbatches)
+            schedule = make_schedule(name, self.n_stages, n_microbatches, self.v)
             validate(schedule, n_microbatches)
             self._schedules[key] = schedule[self.stage]
         return self._schedules[key]
@@ -158,24 +179,27 @@ class PipelineStage:
         input. Returns the last stage's output (None on the others). `module`: run this instead
         of the stage's module (the bare model under a data-parallel engine)."""
         module = self.module if module is None else module
-        if self.is_first:
-            h = x.to(self.device)
-        else:
-            header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
-            self.peers.irecv(header, self.stage - 1, INFER_TAG + HEADER_TAG).wait()
-            dtype, ndim = DTYPES[int(header[0])], int(header[1])
-            h = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype, device=self.device)
-            self.peers.irecv(h, self.stage - 1, INFER_TAG + ACTIVATION_TAG).wait()
-        out = module(h)
-        if self.is_last:
-            return out
-        out = out.contiguous()
-        header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-        header[0], header[1] = DTYPES.index(out.dtype), out.dim()
-        header[2: 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-        for work in (self.peers.isend(header, self.stage + 1, INFER_TAG + HEADER_TAG),
-                     self.peers.isend(out, self.stage + 1, INFER_TAG + ACTIVATION_TAG)):
-            work.wait()
+        p, last = self.n_stages, self.n_virtual - 1
+        for chunk in range(self.v):
+            u = chunk * p + self.stage
+            if u == 0:
+                h = x.to(self.device)
+            else:
+                header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+                self.peers.irecv(header, (self.stage - 1) % p, INFER_TAG + 3 * (u - 1) + HEADER_TAG).wait()
+                dtype, ndim = DTYPES[int(header[0])], int(header[1])
+                h = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype, device=self.device)
+                self.peers.irecv(h, (self.stage - 1) % p, INFER_TAG + 3 * (u - 1) + ACTIVATION_TAG).wait()
+            out = module(h) if self.v == 1 else module(h, chunk=chunk)
+            if u == last:
+                return out
+            out = out.contiguous()
+            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
+            header[0], header[1] = DTYPES.index(out.dtype), out.dim()
+            header[2: 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
+            for work in (self.peers.isend(header, (self.stage + 1) % p, INFER_TAG + 3 * u + HEADER_TAG),
+                         self.peers.isend(out, (self.stage + 1) % p, INFER_TAG + 3 * u + ACTIVATION_TAG)):
+                work.wait()
         return None
 
     # ---- one step
@@ -204,7 +228,7 @@ class PipelineStage:
             actions = self.actions(schedule, m)
         else:
             actions = [Action.parse(a) for a in schedule]
-            m = sum(a.kind == "F" for a in actions)
+            m = len({a.microbatch for a in actions if a.kind == "F"})
             try:
                 validate([actions], m)
             except UserError as e:
@@ -230,7 +254,7 @@ class PipelineStage:
 
 
 class _Run:
-    """The state of one step on one stage: posted receives, pending sends, what F_i keeps for B_i."""
+    """The state of one step on one stage: posted receives, pending sends, what an F keeps for its B."""
 
     def __init__(self, stage: PipelineStage, actions: list[Action], inputs, targets, weights,
                  no_sync) -> None:
@@ -240,16 +264,25 @@ class _Run:
         self.last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
         self.posted: dict[Action, list] = {}  # action -> [header work, header, data work, data]
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # i -> (input, output|loss, bytes)
+        # (micro-batch, chunk) -> (input, output|loss, bytes)
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.params = {p.untyped_storage().data_ptr() for p in stage.module.parameters()}
         self.busy = 0.0
         self.held = self.peak = 0
         self.loss = torch.zeros((), device=stage.device) if stage.is_last else None
+        self.prev, self.next = (stage.stage - 1) % stage.n_stages, (stage.stage + 1) % stage.n_stages
         timeline = stage.timeline
         self.timeline = timeline if timeline is not None and timeline.active else None
         # gloo (CPU tensors) sends report completion only through wait(): WorkSpans waits for them
         self.clock = None if self.timeline is None else WorkSpans(self.timeline, "p2p",
                                                                   owns_wait=stage.device.type == "cpu")
+
+    def virtual(self, action: Action) -> int:
+        """The virtual stage `action` runs on: chunk c of stage s is c p + s."""
+        return action.chunk * self.s.n_stages + self.s.stage
+
+    def tag(self, action: Action, boundary: int, channel: int) -> int:
+        return _tag(action.microbatch, boundary, channel, self.s.n_virtual)
 
     def execute(self) -> tuple[torch.Tensor | None, StepStats]:
         start = time.perf_counter()
@@ -257,15 +290,15 @@ class _Run:
             self.prefetch(k)
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
             if action.kind == "F":
-                self.forward(action.microbatch)
+                self.forward(action)
             else:
-                self.backward(action.microbatch, last=k == self.last_backward)
+                self.backward(action, last=k == self.last_backward)
         for work, _ in self.sends:
             work.wait()
         if self.clock is not None:
             self.clock.join()
         stats = StepStats(time.perf_counter() - start, self.busy, self.peak,
-                          sum(a.kind == "F" for a in self.actions))
+                          len({a.microbatch for a in self.actions if a.kind == "F"}))
         return self.loss, stats
 
     # ---- receives
@@ -274,33 +307,36 @@ class _Run:
         """Post the receives of the next LOOKAHEAD actions (a gradient once its forward ran)."""
         s = self.s
         for action in self.actions[k: k + LOOKAHEAD + 1]:
-            i = action.microbatch
-            if action.kind == "F" and not s.is_first:
+            key, u = (action.microbatch, action.chunk), self.virtual(action)
+            if action.kind == "F" and u > 0:
                 slot = self.posted.setdefault(action, [None, None, None, None])
                 if slot[2] is not None:  # posted by an earlier prefetch (a stray header receive here
                     continue  # would take the header of a later stage object's step: it hung)
-                if s.static_shapes and i in s.recv_shapes:  # no header: shape known
-                    dtype, shape = s.recv_shapes[i]
+                if s.static_shapes and key in s.recv_shapes:  # no header: shape known
+                    dtype, shape = s.recv_shapes[key]
                     slot[3] = torch.empty(shape, dtype=dtype, device=s.device)
-                    slot[2] = s.peers.irecv(slot[3], s.stage - 1, _tag(i, ACTIVATION_TAG))
+                    slot[2] = s.peers.irecv(slot[3], self.prev, self.tag(action, u - 1, ACTIVATION_TAG))
                     continue
                 if slot[0] is None:
                     slot[1] = torch.empty(HEADER, dtype=torch.int64, device=s.device)
-                    slot[0] = s.peers.irecv(slot[1], s.stage - 1, _tag(i, HEADER_TAG))
+                    slot[0] = s.peers.irecv(slot[1], self.prev, self.tag(action, u - 1, HEADER_TAG))
                 if slot[2] is None and slot[0].is_completed():
                     self.post_activation(action, slot)
-            elif action.kind == "B" and not s.is_last and action not in self.posted and i in self.kept:
-                out = self.kept[i][1]
+            elif (action.kind == "B" and u < s.n_virtual - 1 and action not in self.posted
+                  and key in self.kept):
+                out = self.kept[key][1]
                 grad = torch.empty(out.shape, dtype=out.dtype, device=s.device)
-                self.posted[action] = [None, None, s.peers.irecv(grad, s.stage + 1, _tag(i, GRAD_TAG)), grad]
+                work = s.peers.irecv(grad, self.next, self.tag(action, u, GRAD_TAG))
+                self.posted[action] = [None, None, work, grad]
 
     def post_activation(self, action: Action, slot: list) -> None:
         slot[0].wait()
         header = slot[1].tolist()
         dtype, shape = DTYPES[header[0]], header[2: 2 + header[1]]
-        self.s.recv_shapes[action.microbatch] = (dtype, tuple(shape))
+        self.s.recv_shapes[action.microbatch, action.chunk] = (dtype, tuple(shape))
         slot[3] = torch.empty(shape, dtype=dtype, device=self.s.device)
-        slot[2] = self.s.peers.irecv(slot[3], self.s.stage - 1, _tag(action.microbatch, ACTIVATION_TAG))
+        boundary = self.virtual(action) - 1
+        slot[2] = self.s.peers.irecv(slot[3], self.prev, self.tag(action, boundary, ACTIVATION_TAG))
 
     def receive(self, action: Action) -> torch.Tensor:
         slot, timeline = self.posted.pop(action), self.timeline
@@ -314,77 +350,85 @@ class _Run:
         return slot[3]
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int,
-             traced: tuple[str, int, float] | None = None) -> None:
-        """Post an isend; `traced` = (kind, micro-batch, start) puts its span on the send clock."""
+             traced: tuple[Action, float] | None = None) -> None:
+        """Post an isend; `traced` = (action, start) puts its span on the send clock."""
         work = self.s.peers.isend(tensor, peer, tag)
         if traced is not None and self.clock is not None:
-            kind, i, start = traced
-            self.clock.watch(peer, work, f"send {kind}{i} to stage {peer}", start, keep=tensor,
-                             stage=self.s.stage, microbatch=i, bytes=tensor.numel() * tensor.element_size())
+            action, start = traced
+            self.clock.watch(peer, work, f"send {action} to stage {peer}", start, keep=tensor,
+                             stage=self.s.stage, microbatch=action.microbatch,
+                             bytes=tensor.numel() * tensor.element_size())
             if self.clock.owns_wait:
                 return
         self.sends.append((work, tensor))
 
-    def compute_span(self, kind: str, i: int, start: float, end: float) -> None:
-        self.timeline.span(f"{kind}{i}", "compute", start, end, stage=self.s.stage, microbatch=i)
+    def compute_span(self, action: Action, start: float, end: float) -> None:
+        self.timeline.span(str(action), "compute", start, end, stage=self.s.stage,
+                           microbatch=action.microbatch)
 
     # ---- compute
 
-    def forward(self, i: int) -> None:
-        s = self.s
-        if s.is_first:
+    def forward(self, action: Action) -> None:
+        s, i = self.s, action.microbatch
+        key, u = (i, action.chunk), self.virtual(action)
+        last = u == s.n_virtual - 1
+        if u == 0:
             x = self.inputs[i].to(s.device)
         else:
-            x = self.receive(Action("F", i))
+            x = self.receive(action)
             if x.is_floating_point():
                 x.requires_grad_(True)
         held = _Held(self.params)
-        known = s.held_bytes.get(i) if s.static_shapes else None  # same shapes: same bytes as before
+        known = s.held_bytes.get(key) if s.static_shapes else None  # same shapes: same bytes as before
         start = time.perf_counter()
         with (torch.autograd.graph.saved_tensors_hooks(held.pack, lambda t: t) if known is None
               else contextlib.nullcontext()):
-            out = s.module(x)
-            if s.is_last:
+            out = s.module(x) if s.v == 1 else s.module(x, chunk=action.chunk)
+            if last:
                 out = s.loss_fn(out, self.targets[i].to(s.device)) * self.weights[i]
         end = time.perf_counter()
         self.busy += end - start
         if self.timeline is not None:
-            self.compute_span("F", i, start, end)
+            self.compute_span(action, start, end)
         held.add(x)
-        if s.is_last:
+        if last:
             self.loss += out.detach()
         else:
-            outgoing = out.detach().contiguous()
-            held.add(outgoing)
-            if len(outgoing.shape) > HEADER - 2 or outgoing.dtype not in DTYPES:
-                raise UserError(f"stage {s.stage} output {outgoing.dtype} {tuple(outgoing.shape)} cannot be "
-                                f"sent: the pipeline carries tensors of at most {HEADER - 2} dims of "
-                                f"dtypes {DTYPES}")
-            sent = (outgoing.dtype, tuple(outgoing.shape))
-            traced = None if self.timeline is None else ("F", i, self.timeline.now())  # header included
-            if s.static_shapes and i in s.sent_shapes:
-                if s.sent_shapes[i] != sent:
-                    raise UserError(f"stage {s.stage}: micro-batch {i}'s activation changed from "
-                                    f"{s.sent_shapes[i]} to {sent} under static_shapes=True; keep "
-                                    "micro-batch shapes fixed or build the stage with static_shapes=False")
-            else:
-                header = torch.zeros(HEADER, dtype=torch.int64, device=s.device)
-                header[0], header[1] = DTYPES.index(outgoing.dtype), outgoing.dim()
-                header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
-                self.send(header, s.stage + 1, _tag(i, HEADER_TAG))
-                s.sent_shapes[i] = sent
-            self.send(outgoing, s.stage + 1, _tag(i, ACTIVATION_TAG), traced)
+            self.send_on(action, out.detach().contiguous(), held)
         nbytes = held.nbytes if known is None else known
         if s.static_shapes:
-            s.held_bytes[i] = nbytes
-        self.kept[i] = (x, out, nbytes)
+            s.held_bytes[key] = nbytes
+        self.kept[key] = (x, out, nbytes)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
-    def backward(self, i: int, last: bool) -> None:
-        s = self.s
-        grad = None if s.is_last else self.receive(Action("B", i))
-        x, out, nbytes = self.kept.pop(i)
+    def send_on(self, action: Action, outgoing: torch.Tensor, held: _Held) -> None:
+        """An F's output to the next virtual stage, its header first unless static shapes know it."""
+        s, key, u = self.s, (action.microbatch, action.chunk), self.virtual(action)
+        held.add(outgoing)
+        if len(outgoing.shape) > HEADER - 2 or outgoing.dtype not in DTYPES:
+            raise UserError(f"stage {s.stage} output {outgoing.dtype} {tuple(outgoing.shape)} cannot be "
+                            f"sent: the pipeline carries tensors of at most {HEADER - 2} dims of "
+                            f"dtypes {DTYPES}")
+        sent = (outgoing.dtype, tuple(outgoing.shape))
+        traced = None if self.timeline is None else (action, self.timeline.now())  # header included
+        if s.static_shapes and key in s.sent_shapes:
+            if s.sent_shapes[key] != sent:
+                raise UserError(f"stage {s.stage}: micro-batch {action.microbatch}'s activation changed "
+                                f"from {s.sent_shapes[key]} to {sent} under static_shapes=True; keep "
+                                "micro-batch shapes fixed or build the stage with static_shapes=False")
+        else:
+            header = torch.zeros(HEADER, dtype=torch.int64, device=s.device)
+            header[0], header[1] = DTYPES.index(outgoing.dtype), outgoing.dim()
+            header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
+            self.send(header, self.next, self.tag(action, u, HEADER_TAG))
+            s.sent_shapes[key] = sent
+        self.send(outgoing, self.next, self.tag(action, u, ACTIVATION_TAG), traced)
+
+    def backward(self, action: Action, last: bool) -> None:
+        s, u = self.s, self.virtual(action)
+        grad = None if u == s.n_virtual - 1 else self.receive(action)
+        x, out, nbytes = self.kept.pop((action.microbatch, action.chunk))
         context = self.no_sync() if self.no_sync is not None and not last else contextlib.nullcontext()
         start = time.perf_counter()
         with context:
@@ -392,9 +436,9 @@ class _Run:
         end = time.perf_counter()
         self.busy += end - start
         if self.timeline is not None:
-            self.compute_span("B", i, start, end)
-        if not s.is_first:
+            self.compute_span(action, start, end)
+        if u > 0:
             dx = x.grad if x.grad is not None else torch.zeros_like(x)
-            traced = None if self.timeline is None else ("B", i, self.timeline.now())
-            self.send(dx.contiguous(), s.stage - 1, _tag(i, GRAD_TAG), traced)
+            traced = None if self.timeline is None else (action, self.timeline.now())
+            self.send(dx.contiguous(), self.prev, self.tag(action, u - 1, GRAD_TAG), traced)
         self.held -= nbytes

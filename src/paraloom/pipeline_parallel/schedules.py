@@ -8,33 +8,39 @@ from paraloom.errors import UserError
 
 
 class Action(NamedTuple):
-    """One unit of pipeline work: forward ("F") or backward ("B") of micro-batch `microbatch`."""
+    """One unit of pipeline work: forward ("F") or backward ("B") of micro-batch `microbatch` on
+    model chunk `chunk` of this stage (interleaved schedules hold several; "F3.1": chunk 1)."""
 
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
     @classmethod
     def parse(cls, text: str | Action) -> Action:
-        """`Action.parse("B3") == Action("B", 3)`; an `Action` passes through."""
+        """`Action.parse("B3") == Action("B", 3)`, `Action.parse("F2.1") == Action("F", 2, 1)`."""
         if isinstance(text, Action):
             return text
-        if not (isinstance(text, str) and len(text) > 1 and text[0] in "FB" and text[1:].isdigit()):
-            raise UserError(f"pipeline action {text!r} is not understood; write 'F<i>' or 'B<i>', e.g. 'F0'")
-        return cls(text[0], int(text[1:]))
+        body = text[1:] if isinstance(text, str) else ""
+        number, _, chunk = body.partition(".")
+        if not (isinstance(text, str) and text[:1] in ("F", "B") and number.isdigit()
+                and (not chunk or chunk.isdigit())):
+            raise UserError(f"pipeline action {text!r} is not understood; write 'F<i>' or 'B<i>', e.g. 'F0', "
+                            "or 'F<i>.<chunk>' for a model chunk of an interleaved schedule")
+        return cls(text[0], int(number), int(chunk or 0))
 
 
 Schedule = list[list[Action]]  # actions per stage, in the order each stage runs them
 
 
-def F(i: int) -> Action:  # noqa: N802 - reads like the notation
-    return Action("F", i)
+def F(i: int, chunk: int = 0) -> Action:  # noqa: N802 - reads like the notation
+    return Action("F", i, chunk)
 
 
-def B(i: int) -> Action:  # noqa: N802
-    return Action("B", i)
+def B(i: int, chunk: int = 0) -> Action:  # noqa: N802
+    return Action("B", i, chunk)
 
 
 class ScheduleGPipe:
@@ -73,23 +79,68 @@ class ScheduleLayers(ScheduleGPipe):
         return super().stage_actions(stage, n_stages, 1)
 
 
-SCHEDULES = {cls.name: cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleLayers)}
+class ScheduleInterleaved1F1B:
+    """Interleaved 1F1B (Narayanan et al. 2021, section 2.2): each stage holds `v` model chunks,
+    stage s chunk c being virtual stage c * p + s, so a micro-batch passes the ring of stages v
+    times. A stage runs its forwards in groups of p micro-batches, chunk after chunk, and its
+    backwards likewise with the chunks reversed; (p - s - 1) * 2 + (v - 1) * p warm-up forwards,
+    then one forward and one backward alternately, then the remaining backwards. The bubble
+    shrinks v-fold, to (p - 1) / (v m + p - 1) of the step; the sends grow v-fold. m must be a
+    multiple of p (as in Megatron-LM)."""
+
+    name = "interleaved_1f1b"
+
+    def __init__(self, virtual_stages: int = 2) -> None:
+        self.v = virtual_stages
+
+    def stage_actions(self, stage: int, n_stages: int, n_microbatches: int) -> list[Action]:
+        p, v, m = n_stages, self.v, n_microbatches
+        if m % p:
+            raise UserError(f"schedule 'interleaved_1f1b' runs micro-batches in groups of the {p} stages; "
+                            f"n_microbatches={m} is not a multiple of {p}")
+
+        def unit(k: int, backward: bool) -> Action:
+            chunk = (k // p) % v
+            return Action("B" if backward else "F", (k // (p * v)) * p + k % p,
+                          v - 1 - chunk if backward else chunk)
+
+        total = m * v
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+        out = [unit(k, False) for k in range(warmup)]
+        for k in range(total - warmup):
+            out += [unit(warmup + k, False), unit(k, True)]
+        return out + [unit(k, True) for k in range(total - warmup, total)]
 
 
-def make_schedule(name: str, n_stages: int, n_microbatches: int) -> Schedule:
-    """The actions of every stage for schedule `name` with `n_stages` stages and `n_microbatches`."""
+SCHEDULES = {cls.name: cls for cls in (ScheduleGPipe, Schedule1F1B, ScheduleLayers, ScheduleInterleaved1F1B)}
+
+
+def make_schedule(name: str, n_stages: int, n_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The actions of every stage for schedule `name` with `n_stages` stages and `n_microbatches`
+    (and, for interleaved_1f1b, `virtual_stages` model chunks per stage)."""
     if name not in SCHEDULES:
         raise UserError(f"pipeline schedule {name!r} is not known; choose one of: {', '.join(SCHEDULES)}")
-    for what, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
+    for what, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches),
+                        ("virtual_stages", virtual_stages)):
         if not isinstance(value, int) or value < 1:
             raise UserError(f"pipeline {what}={value!r} must be a positive integer")
-    impl = SCHEDULES[name]()
+    interleaved = SCHEDULES[name] is ScheduleInterleaved1F1B
+    if interleaved != (virtual_stages > 1) and not (interleaved and virtual_stages == 1):
+        raise UserError(f"virtual_stages={virtual_stages} is for schedule 'interleaved_1f1b'; "
+                        f"schedule {name!r} runs one model chunk per stage")
+    impl = ScheduleInterleaved1F1B(virtual_stages) if interleaved else SCHEDULES[name]()
     return [impl.stage_actions(s, n_stages, n_microbatches) for s in range(n_stages)]
 
 
-def bubble_fraction(p: int, m: int) -> float:
-    """Idle fraction of GPipe and 1F1B in theory: (p - 1) / (m + p - 1) (GPipe paper, section 2.3)."""
-    return (p - 1) / (m + p - 1)
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction in theory: (p - 1) / (m + p - 1) for GPipe and 1F1B (GPipe paper, section 2.3),
+    (p - 1) / (v m + p - 1) for interleaved 1F1B with v chunks per stage (Narayanan et al. 2021)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def chunks_of(schedule: Schedule) -> int:
+    """How many model chunks a stage of the schedule holds (1 but for interleaved schedules)."""
+    return 1 + max((Action.parse(a).chunk for actions in schedule for a in actions), default=0)
 
 
 class Placed(NamedTuple):
@@ -100,10 +151,16 @@ class Placed(NamedTuple):
 
 
 def simulate(schedule: Schedule, f_time: float = 1.0, b_time: float = 1.0) -> tuple[list[Placed], list[int]]:
-    """Run the schedule on an ideal machine: each stage does its actions in order, stage s's F_i
-    after stage s-1's F_i, B_i after stage s+1's B_i (and after its own F_i). Returns the placed
+    """Run the schedule on an ideal machine: each stage does its actions in order; virtual stage u
+    (chunk c of stage s is u = c p + s) forwards micro-batch i after virtual stage u - 1 did, and
+    backwards it after virtual stage u + 1 did (and after its own forward). Returns the placed
     actions and, per stage, how many actions ran (fewer than listed: the schedule deadlocks)."""
     p = len(schedule)
+    last = p * chunks_of(schedule) - 1  # the last virtual stage
+
+    def at(u: int, kind: str, i: int) -> tuple[int, Action]:
+        return u % p, Action(kind, i, u // p)
+
     done: dict[tuple[int, Action], float] = {}  # (stage, action) -> end time
     ran, free, placed = [0] * p, [0.0] * p, []
     progress = True
@@ -112,13 +169,14 @@ def simulate(schedule: Schedule, f_time: float = 1.0, b_time: float = 1.0) -> tu
         for s in range(p):
             while ran[s] < len(schedule[s]):
                 a = Action.parse(schedule[s][ran[s]])
+                u = a.chunk * p + s
                 deps = []
-                if a.kind == "F" and s > 0:
-                    deps.append((s - 1, a))
+                if a.kind == "F" and u > 0:
+                    deps.append(at(u - 1, "F", a.microbatch))
                 if a.kind == "B":
-                    deps.append((s, F(a.microbatch)))
-                    if s < p - 1:
-                        deps.append((s + 1, a))
+                    deps.append((s, F(a.microbatch, a.chunk)))
+                    if u < last:
+                        deps.append(at(u + 1, "B", a.microbatch))
                 if any(d not in done for d in deps):
                     break
                 start = max([free[s], *(done[d] for d in deps)])
@@ -160,6 +218,11 @@ def validate(schedule: Schedule, n_microbatches: int) -> None:
     """Raise UserError (with the grid) unless every stage forwards and backwards each micro-batch
     exactly once, F before B, and the stages together can run the schedule without deadlock."""
     problems = []
+    try:
+        v = chunks_of(schedule)
+    except UserError as e:
+        v, problems = 1, [str(e)]
+    units = [(i, c) for i in range(n_microbatches) for c in range(v)]
     for s, actions in enumerate(schedule):
         try:
             actions = [Action.parse(a) for a in actions]
@@ -167,22 +230,24 @@ def validate(schedule: Schedule, n_microbatches: int) -> None:
             problems.append(f"stage {s}: {e}")
             continue
         for kind in "FB":
-            seen = [a.microbatch for a in actions if a.kind == kind]
-            missing = sorted(set(range(n_microbatches)) - set(seen))
-            twice = sorted({i for i in seen if seen.count(i) > 1})
-            extra = sorted({i for i in seen if not 0 <= i < n_microbatches})
-            for what, ids in (("misses", missing), ("repeats", twice), ("has unknown", extra)):
-                if ids:
+            seen = [(a.microbatch, a.chunk) for a in actions if a.kind == kind]
+            missing = sorted(set(units) - set(seen))
+            twice = sorted({u for u in seen if seen.count(u) > 1})
+            extra = sorted({u for u in seen if u not in units})
+            for what, found in (("misses", missing), ("repeats", twice), ("has unknown", extra)):
+                if found:
+                    ids = [i for i, _ in found] if v == 1 else [f"{i}.{c}" for i, c in found]
                     problems.append(f"stage {s} {what} {kind} of micro-batch(es) {ids}")
-        for i in range(n_microbatches):
-            if B(i) in actions and F(i) in actions and actions.index(B(i)) < actions.index(F(i)):
-                problems.append(f"stage {s} runs B{i} before F{i}")
+        for i, c in units:
+            if B(i, c) in actions and F(i, c) in actions and actions.index(B(i, c)) < actions.index(F(i, c)):
+                problems.append(f"stage {s} runs {B(i, c)} before {F(i, c)}")
     if not problems:
         _, ran = simulate(schedule)
         stuck = [s for s, actions in enumerate(schedule) if ran[s] < len(actions)]
         if stuck:
             problems.append(f"the schedule deadlocks: stage(s) {stuck} wait for work that never comes "
-                            "(stage s's F_i needs stage s-1's F_i; B_i needs stage s+1's B_i)")
+                            "(stage s's F_i needs stage s-1's F_i; B_i needs stage s+1's B_i; with "
+                            "chunks, virtual stage c p + s for chunk c)")
     if problems:
         try:
             grid = format_grid(schedule)
