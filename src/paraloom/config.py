@@ -152,12 +152,15 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages per model replica (layers mode: every rank is a stage)
     microbatches: int = 1  # pipeline: micro-batches per step (m)
     schedule: str = _one_of(*choices.PIPELINE_SCHEDULES, default="1f1b")  # pipeline schedule
+    virtual_stages: int = 1  # interleaved_1f1b: model chunks per stage (v; the bubble shrinks v-fold)
     balance: str = _one_of(*choices.PIPELINE_BALANCE, default="params")  # pipeline stages balanced by
 
     def __post_init__(self) -> None:
-        for key in ("nproc", "tp", "pp", "microbatches"):
+        for key in ("nproc", "tp", "pp", "microbatches", "virtual_stages"):
             _positive(self, key)
         rules.check_parallel_layout(mode=self.mode, tp=self.tp, pp=self.pp, microbatches=self.microbatches)
+        rules.check_interleaving(schedule=self.schedule, virtual_stages=self.virtual_stages, pp=self.pp,
+                                 microbatches=self.microbatches)
 
     @property
     def model_parallel(self) -> bool:

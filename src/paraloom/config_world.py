@@ -31,7 +31,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if cfg.parallel.model_parallel:
         rules.check_tensor_parallel(tp=tp, model=cfg.model.name, n_heads=cfg.model.n_heads,
                                     has_plan=bool(cfg.model.tp_plan))
-        rules.check_pipeline_stages(pp=pp, model=cfg.model.name, n_layers=cfg.model.n_layers)
+        rules.check_pipeline_stages(pp=pp, model=cfg.model.name, n_layers=cfg.model.n_layers,
+                                    virtual_stages=cfg.parallel.virtual_stages)
         rules.check_model_parallel_sync(dp=dp, sync=cfg.comm.sync, shard_optimizer=cfg.comm.shard_optimizer,
                                         scheduler=cfg.comm.scheduler, compressor=cfg.comm.compressor)
     if cfg.run.inject is not None:

@@ -98,7 +98,7 @@ def strategy_for(*, mode: str, tp: int, pp: int) -> str:
     return "model_parallel" if mode == "layers" or tp > 1 or pp > 1 else "data_parallel"
 
 
-_PIPELINE = ("parallel.microbatches", "parallel.schedule", "parallel.balance")
+_PIPELINE = ("parallel.microbatches", "parallel.schedule", "parallel.virtual_stages", "parallel.balance")
 _PS = ("ps.servers", "ps.consistency", "ps.staleness", "ps.overlap", "ps.partition_mb")
 _ENGINE = ("comm.sync", "comm.shard_optimizer", "comm.engine", "comm.algorithm", "comm.scheduler",
            "comm.bucket_mb", "comm.first_bucket_mb", "comm.partition_mb", "comm.credit_mb",
@@ -154,6 +154,16 @@ def check_parallel_layout(*, mode: str, tp: int, pp: int, microbatches: int) -> 
     if mode == "layers" and (tp > 1 or microbatches > 1):
         raise UserError("parallel.mode=layers has no micro-batches or tensor parallelism: for those "
                         "use parallel.mode=dp with parallel.pp / parallel.microbatches / parallel.tp")
+
+
+def check_interleaving(*, schedule: str, virtual_stages: int, pp: int, microbatches: int) -> None:
+    """parallel.virtual_stages is interleaved 1F1B's, which runs micro-batches in groups of pp."""
+    if virtual_stages > 1 and schedule != "interleaved_1f1b":
+        raise UserError(f"parallel.virtual_stages={virtual_stages} is for parallel.schedule=interleaved_1f1b "
+                        f"(model chunks per stage); schedule {schedule} runs one chunk per stage")
+    if schedule == "interleaved_1f1b" and pp > 1 and microbatches % pp:
+        raise UserError(f"parallel.schedule=interleaved_1f1b runs micro-batches in groups of the {pp} "
+                        f"stages: parallel.microbatches={microbatches} must be a multiple of {pp}")
 
 
 def check_model_parallel_sync(*, dp: int, sync: str, shard_optimizer: bool, scheduler: str,
@@ -218,8 +228,10 @@ def check_tensor_parallel(*, tp: int, model: str, n_heads: int, has_plan: bool =
                         f"choose tp in {{{', '.join(map(str, options))}}}")
 
 
-def check_pipeline_stages(*, pp: int, model: str, n_layers: int) -> None:
-    """A gpt has n_layers + 2 pieces to place on stages (embedding, blocks, head)."""
-    if pp > 1 and model == "gpt" and pp > n_layers + 2:
-        raise UserError(f"parallel.pp={pp} stages exceed the gpt's {n_layers + 2} pieces "
+def check_pipeline_stages(*, pp: int, model: str, n_layers: int, virtual_stages: int = 1) -> None:
+    """A gpt has n_layers + 2 pieces to place on stages (embedding, blocks, head), v per stage when
+    interleaved."""
+    if pp > 1 and model == "gpt" and pp * virtual_stages > n_layers + 2:
+        chunks = f" x parallel.virtual_stages={virtual_stages}" if virtual_stages > 1 else ""
+        raise UserError(f"parallel.pp={pp}{chunks} stages exceed the gpt's {n_layers + 2} pieces "
                         "(embedding, blocks, head): raise model.n_layers or lower parallel.pp")

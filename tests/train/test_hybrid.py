@@ -44,6 +44,7 @@ def _train_or_refuse(rank, world, overrides, run_dir=None):
     return None
 
 
+INTERLEAVED = ["parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"]  # 2 x 2 = 4 pieces
 GRIDS = {  # name: (world size, overrides)
     "1x1x1": (1, ["parallel.mode=layers"]),  # one rank holding the whole model (the model-parallel strategy)
     "pp2_1f1b_m2": (2, ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"]),
@@ -51,6 +52,8 @@ GRIDS = {  # name: (world size, overrides)
     "layers2": (2, ["parallel.mode=layers"]),
     "dp2xpp2_gpipe_m2": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"]),
     "dp2xtp2": (4, ["parallel.tp=2"]),
+    "pp2_interleaved_v2_m2": (2, ["parallel.pp=2", "parallel.microbatches=2", *INTERLEAVED]),
+    "dp2xpp2_interleaved_v2_m2": (4, ["parallel.pp=2", "parallel.microbatches=2", *INTERLEAVED]),
 }
 
 
@@ -135,7 +138,8 @@ def test_resume_on_the_same_grid_equals_a_straight_run(tmp_path, capfd):
     refusals = run_workers(_train_or_refuse, 2, ["parallel.tp=2", "optim.max_steps=6"], resumed_dir,
                            timeout=60)
     for message in refusals:
-        assert message is not None and "[1, 1, 2] grid; this run is [1, 2, 1]" in message
+        assert message is not None
+        assert "[1, 1, 2] grid of 1 chunk(s) per stage; this run is [1, 2, 1]" in message
         assert "resume on the same grid" in message
 
 
@@ -176,3 +180,17 @@ def test_non_finite_steps_in_a_row_stop_every_rank_of_the_grid():
     overrides = [*CKPT[:2], "run.inject=nan:rank=0,step=1; nan:rank=1,step=2", "guard.max_bad_steps=2"]
     for message in run_workers(_stopped_by_the_guard, 2, overrides, timeout=60):
         assert message is not None and "2 steps in a row (up to step 2)" in message
+
+
+def test_interleaved_saves_the_whole_model_as_one_process_trains_it(tmp_path):
+    """save_model gathers every chunk of every stage into the model's own keys."""
+    runs = {}
+    pipelined = ["parallel.pp=2", "parallel.microbatches=2", *INTERLEAVED]
+    for name, world, overrides in (("one", 1, ["parallel.mode=layers"]), ("interleaved", 2, pipelined)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        run_workers(_train, world, [*overrides, "run.save_model=true"], run_dir, timeout=60)
+        runs[name] = torch.load(run_dir / "model.pt", weights_only=True)
+    assert list(runs["interleaved"]) == list(runs["one"])
+    for key, value in runs["one"].items():
+        assert_close(runs["interleaved"][key], value, **TOL)

@@ -47,7 +47,7 @@ def balance(pieces: list[nn.Module], pp: int, *, by: str, sample: torch.Tensor) 
 
 
 @torch.no_grad()
-def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: int,
+def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: int | list[int],
                   shapes: dict[str, tuple[torch.Size, torch.dtype]], *, sender: bool,
                   source_of: list[int], names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on global rank 0 (collective over rank 0 and the senders).
@@ -55,13 +55,18 @@ def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: i
     `stage_state`: this stage's whole (unsplit) state, its pieces counted from 0; `shapes`: the
     model's keys in order, with shapes and dtypes; `sender`: whether this rank sends its stage
     (one per stage, `source_of[stage]` its global rank). Tensors go point-to-point in key order.
-    `names`: each piece's name in the model (`partition.piece_names`), to key the result as the
-    model does ("3.weight" -> "blocks.1.weight"); without it, keys count pieces.
+    `stage` may list the virtual stages of an interleaved schedule's chunks, `stage_state` then
+    keyed by chunk first ("1.0.weight": chunk 1, its piece 0). `names`: each piece's name in the
+    model (`partition.piece_names`), to key the result as the model does ("3.weight" ->
+    "blocks.1.weight"); without it, keys count pieces.
     """
+    chunked = not isinstance(stage, int)
+    stages = list(stage) if chunked else [stage]
     mine = {}
     for key, value in stage_state.items():
+        chunk, key = key.split(".", 1) if chunked else ("0", key)
         head, _, rest = key.partition(".")
-        mine[f"{int(head) + bounds[stage][0]}.{rest}"] = value
+        mine[f"{int(head) + bounds[stages[int(chunk)]][0]}.{rest}"] = value
 
     def stage_of(key: str) -> int:
         piece = int(key.partition(".")[0])
@@ -71,7 +76,7 @@ def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: i
     if dist.get_rank() == 0:
         out = {}
         for key, (shape, dtype) in shapes.items():
-            if stage_of(key) == stage:
+            if stage_of(key) in stages:
                 out[key] = mine[key]
             else:
                 out[key] = torch.empty(shape, dtype=dtype, device=device)
@@ -79,7 +84,7 @@ def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: i
         return out if names is None else {_renamed(key, names): value for key, value in out.items()}
     if sender:
         for key in shapes:
-            if stage_of(key) == stage:
+            if stage_of(key) in stages:
                 dist.send(mine[key].contiguous(), 0)
     return None
 
@@ -90,7 +95,7 @@ def _renamed(key: str, names: list[str]) -> str:
     return f"{prefix}.{rest}" if prefix else rest
 
 
-def bubbles(per_rank: torch.Tensor, pp: int, m: int) -> dict[str, object]:
+def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, object]:
     """Bubble figures from every rank's (median step, busy, schedule) seconds, one row per rank."""
     step, busy, schedule = per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]
     ran = bool(schedule.max() > 0)
@@ -105,5 +110,5 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int) -> dict[str, object]:
         "bubble": 1 - float(busy.mean() / schedule.max()) if ran else 0.0,
         # the bottleneck stage's (most compute): fill and drain, without the others' load imbalance
         "bubble_bottleneck": 1 - float(busy.max() / schedule.max()) if ran else 0.0,
-        "bubble_theory": bubble_fraction(pp, m) if pp > 1 else 0.0,
+        "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }

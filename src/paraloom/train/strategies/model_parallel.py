@@ -30,7 +30,7 @@ from paraloom.data.text import VOCAB, unigram_loss
 from paraloom.errors import UserError
 from paraloom.models.make import make_model
 from paraloom.optim.trust import TrustRatioOptimizer
-from paraloom.pipeline_parallel import PipelineStage, split_microbatches, stage_module
+from paraloom.pipeline_parallel import Chunks, PipelineStage, split_microbatches, stage_module
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 from paraloom.pipeline_parallel.stages import balance, bubbles, gather_stages
 from paraloom.tensor_parallel import (
@@ -75,6 +75,7 @@ class ModelParallelStrategy(EngineStrategy):
         self.first, self.last = groups.pp_is_first_stage, groups.pp_is_last_stage
         self.m = 1 if cfg.parallel.mode == "layers" else cfg.parallel.microbatches
         self.schedule = "layers" if cfg.parallel.mode == "layers" else cfg.parallel.schedule
+        self.v = cfg.parallel.virtual_stages if self.schedule == "interleaved_1f1b" else 1  # chunks per stage
         self.model = self._place(data, device)
         trace_tensor_parallel(self.model, timeline)
         # the priority scheduler's collectives get a twin of the dp group; the global norm's sum
@@ -92,7 +93,8 @@ class ModelParallelStrategy(EngineStrategy):
         self.loss_factor = 1.0  # of the loss back-propagated: fp16's scale / the accumulated runs
         loss_fn = lambda out, y: tp_loss(out, y, groups.tp_group) * self.loss_factor  # noqa: E731
         self.stage = PipelineStage(self.engine, pp_group=groups.pp_group, static_shapes=True,  # steps alike
-                                   loss_fn=loss_fn if self.last else None, timeline=timeline)
+                                   loss_fn=loss_fn if self.last else None, timeline=timeline,
+                                   virtual_stages=self.v)
         self.step_seconds: list[float] = []
         self.peak_activation = 0
 
@@ -105,12 +107,13 @@ class ModelParallelStrategy(EngineStrategy):
                             "whose model returns its own loss (loss='model') trains under dp or ps only")
         full = make_model(cfg, data)
         pieces = model_pieces(full)
-        if pp > len(pieces):
-            raise UserError(f"{pp} pipeline stages exceed model.name={cfg.model.name}'s {len(pieces)} "
-                            "pieces; lower parallel.pp or use a deeper model")
+        if pp * self.v > len(pieces):
+            raise UserError(f"{pp * self.v} pipeline stages (virtual ones included) exceed model.name="
+                            f"{cfg.model.name}'s {len(pieces)} pieces; lower parallel.pp or use a deeper "
+                            "model")
         per_replica = cfg.data.batch_size // dp // cfg.optim.accumulate
         sample = next(iter(DataLoader(data.train, batch_size=per_replica // self.m, collate_fn=collate)))[0]
-        self.bounds = balance(pieces, pp, by=cfg.parallel.balance, sample=sample)
+        self.bounds = balance(pieces, pp * self.v, by=cfg.parallel.balance, sample=sample)  # virtual stages
         # the whole model's keys and shapes, for gathering it into one state dict (save_model)
         self.full_shapes = {key: (value.shape, value.dtype)
                             for key, value in nn.Sequential(*pieces).state_dict().items()}
@@ -122,7 +125,14 @@ class ModelParallelStrategy(EngineStrategy):
                                 "(pattern -> colwise/rowwise/vocab/replicate) or give the model one")
             apply_tp_plan(full, plan, self.groups.tp_group)
             pieces = model_pieces(full)  # a piece the plan replaced is its parallel layer now
-        return stage_module(pieces, self.bounds, self.groups.pp_rank).to(device)
+        if self.v == 1:
+            return stage_module(pieces, self.bounds, self.groups.pp_rank).to(device)
+        return Chunks(stage_module(pieces, self.bounds, u) for u in self.virtual_stages()).to(device)
+
+    def virtual_stages(self) -> list[int]:
+        """The virtual stages this rank holds, chunk by chunk (chunk c of stage s is c pp + s)."""
+        pp = self.grid[2]
+        return [c * pp + self.groups.pp_rank for c in range(self.v)]
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
@@ -181,20 +191,23 @@ class ModelParallelStrategy(EngineStrategy):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model on global rank 0, keyed as the user's model is: each stage's tp shards
         gathered in its tp group, then dp rank 0 / tp rank 0 of every stage sends its stage to rank 0."""
-        groups = self.groups
-        sources = [groups.topology.rank(pp=stage, dp=0, tp=0) for stage in range(self.grid[2])]
-        return gather_stages(full_state_dict(self.model, groups.tp_group), self.bounds, groups.pp_rank,
+        groups, pp = self.groups, self.grid[2]
+        sources = [groups.topology.rank(pp=u % pp, dp=0, tp=0) for u in range(pp * self.v)]
+        return gather_stages(full_state_dict(self.model, groups.tp_group), self.bounds,
+                             groups.pp_rank if self.v == 1 else self.virtual_stages(),
                              self.full_shapes, sender=groups.dp_rank == 0 and groups.tp_rank == 0,
                              source_of=sources, names=self.names)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"grid": list(self.grid), "model": self.model.state_dict(), "recipe": self.recipe.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "engine": self.engine.comm_state_dict()}
+        return {"grid": list(self.grid), "virtual_stages": self.v, "model": self.model.state_dict(),
+                "recipe": self.recipe.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "engine": self.engine.comm_state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("grid") != list(self.grid):
-            raise UserError(f"the checkpoint was written by a dp x tp x pp = {state.get('grid')} grid; "
-                            f"this run is {list(self.grid)}: resume on the same grid")
+        if state.get("grid") != list(self.grid) or state.get("virtual_stages", 1) != self.v:
+            raise UserError(f"the checkpoint was written by a dp x tp x pp = {state.get('grid')} grid of "
+                            f"{state.get('virtual_stages', 1)} chunk(s) per stage; this run is "
+                            f"{list(self.grid)} of {self.v}: resume on the same grid")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.recipe.load_state_dict(state["recipe"])
@@ -209,6 +222,7 @@ class ModelParallelStrategy(EngineStrategy):
                                   float(self.peak_activation)], self.group)
         dp, tp, pp = self.grid
         return {"grid": {"dp": dp, "tp": tp, "pp": pp}, "schedule": self.schedule, "microbatches": self.m,
-                "partition": [list(b) for b in self.bounds], **bubbles(per_rank[:, :3], pp, self.m),
+                "virtual_stages": self.v, "partition": [list(b) for b in self.bounds],
+                **bubbles(per_rank[:, :3], pp, self.m, self.v),
                 "param_bytes_per_rank": [int(b) for b in per_rank[:, 3].tolist()],
                 "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 4].tolist()]}
