@@ -124,6 +124,9 @@ GPT = ["model.name=gpt", "data.name=text"]
     ([*GPT, "parallel.tp=2", "parallel.pp=2"], 6,
      r"parallel.tp=2 x parallel.pp=2 does not divide 6 workers; .* multiple of 4"),
     ([*GPT, "parallel.pp=7"], 7, r"parallel.pp=7 stages exceed the gpt's 6 pieces"),
+    ([*GPT, "parallel.pp=4", "parallel.microbatches=4", "parallel.schedule=interleaved_1f1b",
+      "parallel.virtual_stages=2"], 4,
+     r"parallel.pp=4 x parallel.virtual_stages=2 stages exceed the gpt's 6"),
     ([*GPT, "parallel.pp=2", "comm.sync=local_sgd"], 2, r"run with comm.sync=sync"),
     ([*GPT, "parallel.pp=2", "comm.scheduler=priority", "comm.compressor=powersgd"], 4,
      r"powersgd under comm.scheduler=priority needs a whole-world"),
@@ -164,5 +167,17 @@ def test_grids_of_model_parallel_runs():
     (["sparse.sparsity=0.9", "comm.sync=local_sgd"], r"with comm.sync=sync"),
 ])
 def test_sparse_settings_refused(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.virtual_stages=2"], r"parallel.virtual_stages=2 is for parallel.schedule=interleaved_1f1b"),
+    ([*GPT, "parallel.pp=2", "parallel.microbatches=3", "parallel.schedule=interleaved_1f1b"],
+     r"interleaved_1f1b runs micro-batches in groups of the 2 stages: parallel.microbatches=3 must be a "
+     r"multiple of 2"),
+    (["parallel.virtual_stages=0"], r"parallel.virtual_stages=0"),
+])
+def test_interleaving_is_checked_in_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
