@@ -139,3 +139,17 @@ def test_emitted_config_trains_as_it_is(tmp_path):
                            "--set", f"run.out_dir={tmp_path}",
                            "--set", "run.checkpoint_every=0"], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_planner_offers_interleaved_pipelines_and_emits_them(tmp_path):
+    profile = profile_model("gpt:layers=8,hidden=64,heads=4,seq=32")
+    plans = grids(4, profile, load_hardware("h100-ib-ndr"), 64)
+    interleaved = [p for p in plans if p.schedule == "interleaved_1f1b"]
+    assert interleaved
+    assert all(p.microbatches % p.pp == 0 and p.pp * p.virtual_stages <= 10 for p in interleaved)
+    assert {p.virtual_stages for p in interleaved} == {2, 4}
+    out = tmp_path / "best.yaml"
+    assert main(["plan", "--model", "gpt:layers=8,hidden=64,heads=4,seq=32", "--cluster", "h100-ib-ndr",
+                 "--nodes", "1", "--global-batch", "64", "--emit", str(out),
+                 "--plan", "pp=2,microbatches=4,schedule=interleaved_1f1b,virtual_stages=2"]) == 0
+    assert "virtual_stages: 2" in out.read_text() and "interleaved_1f1b" in out.read_text()

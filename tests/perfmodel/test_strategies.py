@@ -68,6 +68,29 @@ def test_pipeline_bubble_is_stages_minus_one_over_m_plus_stages_minus_one():
         assert busy == pytest.approx(8 * 3e6 * 8 * m / GFLOP / pp, rel=1e-6)
 
 
+def test_interleaving_shrinks_the_bubble_v_fold_and_sends_v_times_as_often():
+    free = hardware(per_node=1, inter_bw=1e15)  # p2p free
+    for pp, m, v in ((2, 8, 2), (4, 8, 2), (2, 4, 4)):
+        plan = Plan(pp=pp, microbatches=m, schedule="interleaved_1f1b", virtual_stages=v)
+        e = estimate(model(n=8), free, plan, 8 * m)
+        assert e.breakdown["bubble"] / e.step_s == pytest.approx((pp - 1) / (v * m + pp - 1), rel=1e-6)
+        assert e.step_s < estimate(model(n=8), free, Plan(pp=pp, microbatches=m), 8 * m).step_s
+    slow = hardware(per_node=1, inter_bw=1e6)
+    plain, interleaved = (estimate(model(n=8), slow, Plan(pp=2, microbatches=4, **kw), 32) for kw in
+                          ({}, {"schedule": "interleaved_1f1b", "virtual_stages": 2}))
+    # the first stage sends once per chunk (2), the last once (its first chunk): 3 sends against 1
+    assert interleaved.breakdown["pp_comm"] == pytest.approx(2 * plain.breakdown["pp_comm"], rel=1e-6)
+    assert "m4 interleaved_1f1b v2" in interleaved.plan.label()
+
+
+def test_interleaved_stages_hold_their_warm_up_chunks():
+    from paraloom.perfmodel.memory import in_flight
+
+    assert in_flight("interleaved_1f1b", 8, 4, 0, 2) == (3 * 2 + 4 + 1) / 2  # pp + (pp - 1) / v
+    assert in_flight("interleaved_1f1b", 8, 4, 3, 2) == (0 + 4 + 1) / 2
+    assert in_flight("1f1b", 8, 4, 0) == 4 and in_flight("interleaved_1f1b", 8, 4, 0, 1) == 4
+
+
 def test_tensor_parallel_splits_matmul_and_pays_four_all_reduces_per_block():
     hw = hardware(per_node=2, intra_bw=1e6)
     e = estimate(model(n=4), hw, Plan(tp=2), 10)

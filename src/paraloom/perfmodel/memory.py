@@ -11,17 +11,21 @@ from paraloom.perfmodel.profile import ModelProfile
 TP_REPLICATED_ACTIVATIONS = 10 / 34
 
 
-def in_flight(schedule: str, microbatches: int, pp: int, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak.
+def in_flight(schedule: str, microbatches: int, pp: int, stage: int, v: int = 1) -> float:
+    """Micro-batches whose activations a stage holds at its peak (of its whole share of the model).
 
     GPipe runs every forward before any backward: all m. 1F1B starts backward after pp - stage
     forwards and then alternates (Narayanan et al. 2019, PipeDream-Flush): at most pp - stage.
+    Interleaved 1F1B holds its warm-up's (pp - stage - 1) x 2 + (v - 1) x pp chunk forwards and one
+    more, each a v-th of the stage (Narayanan et al. 2021): about pp + (pp - 1) / v on the first stage.
     Without a pipeline, accumulated micro-batches free their activations one by one: 1.
     """
     if pp == 1:
         return 1
     if schedule == "gpipe":
         return microbatches
+    if schedule == "interleaved_1f1b" and v > 1:
+        return min(microbatches * v, (pp - stage - 1) * 2 + (v - 1) * pp + 1) / v
     return min(microbatches, pp - stage)
 
 
@@ -38,7 +42,7 @@ def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> di
     if opts.shard_optimizer:
         optimizer /= plan.dp
     buffers = params * 4.0 if plan.dp > 1 else 0.0  # the engine's fp32 buckets hold a gradient copy
-    held = in_flight(plan.schedule, plan.microbatches, plan.pp, stage)
+    held = in_flight(plan.schedule, plan.microbatches, plan.pp, stage, plan.virtual_stages)
     activations = part.activation_bytes() * micro * activation_share(plan.tp) * held
     return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers,
             "activations": activations}

@@ -142,7 +142,8 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
         "run": {"precision": dtype},  # an emitted plan trains at the precision it was predicted for
         "model": model_cfg, "data": data_cfg,
         "parallel": {"mode": "ps" if p.servers else "dp", "nproc": max(1, workers // nodes), "tp": p.tp,
-                     "pp": p.pp, "microbatches": p.microbatches, "schedule": p.schedule},
+                     "pp": p.pp, "microbatches": p.microbatches, "schedule": p.schedule,
+                     **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {})},
         "comm": {"scheduler": p.scheduler, "algorithm": p.algorithm, "compressor": p.compressor,
                  "sync": p.sync},
     }

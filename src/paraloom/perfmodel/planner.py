@@ -14,6 +14,7 @@ from paraloom.perfmodel.strategies import Estimate, Options, Plan, estimate
 
 EXACT_NOTE = "changes the math (convergence differs from synchronous SGD)"
 SERVERS = (1, 2, 4)  # parameter-server shard counts tried
+VIRTUAL_STAGES = (2, 4)  # model chunks per stage tried with interleaved 1F1B
 
 
 def divisors(n: int) -> list[int]:
@@ -60,6 +61,10 @@ def grids(world: int, profile: ModelProfile, hw: Hardware, global_batch: int) ->
                 choices = [m for m in choices if m >= pp] or [per_replica]
             for m in choices:
                 plans.append(Plan(dp=dp, tp=tp, pp=pp, microbatches=m))
+                # interleaved 1F1B where each stage can hold v chunks and micro-batches come in groups of pp
+                plans += [Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule="interleaved_1f1b",
+                               virtual_stages=v)
+                          for v in VIRTUAL_STAGES if pp > 1 and m % pp == 0 and pp * v <= len(profile.layers)]
     return plans
 
 

@@ -29,7 +29,7 @@ from paraloom.perfmodel.memory import device_memory
 from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
-from paraloom.rules import check_name, check_parallel_layout
+from paraloom.rules import check_interleaving, check_name, check_parallel_layout
 
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
 PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
@@ -50,6 +50,7 @@ class Plan:
     pp: int = 1  # pipeline stages per replica
     microbatches: int = 1  # per step and replica (pipeline, or gradient accumulation when pp = 1)
     schedule: str = "1f1b"  # pipeline schedule
+    virtual_stages: int = 1  # interleaved_1f1b: model chunks per stage (v)
     scheduler: str = "wait_free"  # data-parallel communication scheduler
     sync: str = "sync"  # or one_step_delay
     compressor: str = "none"
@@ -58,9 +59,11 @@ class Plan:
     consistency: str = "bsp"  # parameter server: bsp, asp or ssp
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "microbatches"):
+        for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
             if getattr(self, key) < 1:
                 raise UserError(f"plan {key}={getattr(self, key)} must be at least 1")
+        check_interleaving(schedule=self.schedule, virtual_stages=self.virtual_stages, pp=self.pp,
+                           microbatches=self.microbatches)
         for key, names in (("schedule", PIPELINE_SCHEDULES), ("scheduler", SCHEDULERS),
                            ("sync", PRICED_SYNC_MODES), ("consistency", CONSISTENCY)):
             check_name(f"plan {key}", getattr(self, key), names)
@@ -74,7 +77,8 @@ class Plan:
     def label(self) -> str:
         parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
         if self.microbatches > 1:
-            parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else ""))
+            parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else "")
+                         + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.servers:
             parts.append(f"ps{self.servers} {self.consistency}")
         elif self.dp > 1:
@@ -257,11 +261,14 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
     pp_link = _stream(hw, group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter,
                                      stride=plan.dp * plan.tp))
+    v = plan.virtual_stages
     stage_f, stage_b, tp_s, p2p_s = [], [], 0.0, 0.0
     for start, stop in stages:
         part = profile.slice(start, stop)
         tp_comm = _tp_comm(part, hw, plan, micro)
-        send = p2p_time(part.output_bytes * micro / plan.tp, pp_link) if stop < len(profile.layers) else 0.0
+        # a micro-batch leaves a stage once per chunk it holds (interleaved: v, the last stage v - 1)
+        sends = v - (stop == len(profile.layers))
+        send = p2p_time(part.output_bytes * micro / plan.tp, pp_link) * sends
         stage_f.append(sum(fwd[start:stop]) + tp_comm / 2 + send)
         stage_b.append(sum(bwd[start:stop]) + tp_comm / 2 + send)
         tp_s, p2p_s = max(tp_s, tp_comm), max(p2p_s, 2 * send)
@@ -269,8 +276,10 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     per_micro = [f + b for f, b in zip(stage_f, stage_b, strict=True)]
     # GPipe and 1F1B have the same bubble: fill and drain pass once through every stage, the
     # slowest stage sets the pace for the other m - 1 micro-batches (Huang et al. 2019; Narayanan
-    # et al. 2019). With one stage this is plain gradient accumulation.
-    pipeline = sum(per_micro) + (m - 1) * max(per_micro)
+    # et al. 2019). With one stage this is plain gradient accumulation. Interleaving v chunks per
+    # stage fills and drains through chunks a v-th of a stage (Narayanan et al. 2021, section 2.2):
+    # (m + (p - 1) / v) x the slowest stage when balanced.
+    pipeline = sum(per_micro) / v + (m - 1 / v) * max(per_micro)
     busy = m * max(per_micro)
     compute = sum(fwd) / plan.pp * m + sum(bwd) / plan.pp * m
 
