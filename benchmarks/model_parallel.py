@@ -19,6 +19,9 @@ the GPT below; the peers run the same model, batch and optimizer under torchrun
       TP = 2 and 4 against DTensor's parallelize_module (part c);
   (c) learning: dp2 x pp2 (1f1b, m = 4) for `LEARN_STEPS` steps; validation loss against the
       unigram baseline of the same split.
+  (e) interleaving: p = 2, m = 8 on BUBBLE_GPT (stages balanced by profiled time), 1f1b against
+      interleaved_1f1b with v = 2, `--repeats` runs each alternated, `BUBBLE_STEPS` steps a run; the
+      bottleneck stage's bubble (median over runs) against (p-1)/(m+p-1) and (p-1)/(v m+p-1).
 A step time is the median over a run's steps (the first two excluded) of the slowest rank.
 """
 
@@ -40,6 +43,7 @@ GPT = {"seq_len": 64, "n_layers": 4, "d_model": 128, "n_heads": 4, "batch_size":
 STEPS = 14
 LEARN_STEPS = 300
 BUBBLE_GPT = {"seq_len": 64, "n_layers": 8, "d_model": 256, "n_heads": 8, "batch_size": 64}
+BUBBLE_STEPS = 30  # part (e): a steadier median step than STEPS gives
 ROOT = Path(__file__).resolve().parent
 
 
@@ -168,6 +172,29 @@ def pipeline_versus_torch(out: Path, gpt: dict[str, int], steps: int, m: int, re
     return result
 
 
+def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, repeats: int) -> dict[str, Any]:
+    """Part (e): the bottleneck stage's bubble of 1f1b and interleaved_1f1b (v chunks) at p = 2."""
+    runs: dict[str, list[dict[str, Any]]] = {"1f1b": [], "interleaved_1f1b": []}
+    for i in range(repeats):
+        for schedule in runs:
+            chunks = [f"parallel.virtual_stages={v}"] if schedule == "interleaved_1f1b" else []
+            summary = paraloom(out, f"e_{schedule}_{i}", 2, gpt, steps, "parallel.pp=2",
+                               f"parallel.microbatches={m}", f"parallel.schedule={schedule}",
+                               "parallel.balance=time", *chunks)
+            kept = ("bubble_bottleneck", "bubble", "bubble_theory", "step_seconds", "partition")
+            runs[schedule].append({key: summary[key] for key in kept})
+    result: dict[str, Any] = {"gpt": gpt, "p": 2, "m": m, "v": v, "steps": steps}
+    for schedule, rows in runs.items():
+        measured = statistics.median(r["bubble_bottleneck"] for r in rows)
+        theory = rows[0]["bubble_theory"]
+        result[schedule] = {"bubble_measured": measured, "bubble_theory": theory,
+                            "bubble_rel_error": abs(measured - theory) / theory,
+                            "step_seconds": statistics.median(r["step_seconds"] for r in rows), "runs": rows}
+    result["step_ratio_interleaved_over_1f1b"] = (result["interleaved_1f1b"]["step_seconds"]
+                                                  / result["1f1b"]["step_seconds"])
+    return result
+
+
 def tensor_versus_dtensor(out: Path, gpt: dict[str, int], steps: int, tp: int) -> dict[str, Any]:
     ours = paraloom(out, f"tp{tp}_alone", tp, gpt, steps, f"parallel.tp={tp}")
     report = peer(out, f"dtensor_tp{tp}", tp, gpt, steps, "--kind", "dtensor")
@@ -207,6 +234,11 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if p2 and g2:
         summary["p2_m8_activation_1f1b_over_gpipe_stage0"] = (
             p2[0]["activation_peak_bytes_per_rank"][0] / g2[0]["activation_peak_bytes_per_rank"][0])
+    inter = report.get("interleaving")
+    if inter:
+        summary["bubble_rel_error_1f1b_p2_m8"] = inter["1f1b"]["bubble_rel_error"]
+        summary["bubble_rel_error_interleaved_p2_m8_v2"] = inter["interleaved_1f1b"]["bubble_rel_error"]
+        summary["step_ratio_interleaved_over_1f1b"] = inter["step_ratio_interleaved_over_1f1b"]
     learn = report.get("learning")
     if learn:
         summary["val_loss"] = learn["val_loss"]
@@ -220,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tp4, p = 2 1f1b and tp2 against the peers, "
                         "short runs, no learning run: a smoke run")
     parser.add_argument("--repeats", type=int, default=3, help="alternations of paraloom and torch in (b)")
-    parser.add_argument("--parts", default="abcd", help="which parts to run (a plans, b pipelines against "
-                        "torch, c tensor parallelism against DTensor, d learning); default all")
+    parser.add_argument("--parts", default="abcde", help="which parts to run (a plans, b pipelines against "
+                        "torch, c tensor parallelism against DTensor, d learning, e interleaving); "
+                        "default all")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
-    if not set(args.parts) <= set("abcd"):
-        raise SystemExit(f"--parts {args.parts!r}: choose letters from abcd")
+    if not set(args.parts) <= set("abcde"):
+        raise SystemExit(f"--parts {args.parts!r}: choose letters from abcde")
     gpt = dict(GPT)
     steps, learn_steps, repeats, m = STEPS, LEARN_STEPS, args.repeats, 8
     if args.quick:
@@ -260,11 +293,17 @@ def main(argv: list[str] | None = None) -> int:
             report["learning"] = {"steps": learn_steps, "val_loss": learn["val_loss"],
                                   "unigram_loss": learn["unigram_loss"], "accuracy": learn["test_accuracy"],
                                   "train_seconds": learn["train_seconds"]}
+        if "e" in args.parts:
+            bubble_gpt = dict(gpt, n_layers=4) if args.quick else BUBBLE_GPT
+            report["interleaving"] = interleaving(out, bubble_gpt, steps if args.quick else BUBBLE_STEPS,
+                                                  m, 2, repeats)
     report["summary"] = summarize(report)
     shown = {k: {kk: vv for kk, vv in v.items() if kk != "paraloom_runs"}
              for k, v in report.get("pipeline_vs_torch", {}).items()}
+    inter = {k: ({kk: vv for kk, vv in v.items() if kk != "runs"} if isinstance(v, dict) else v)
+             for k, v in report.get("interleaving", {}).items()}
     console.print_json(data={"pipeline_vs_torch": shown, "tensor_vs_dtensor": report.get("tensor_vs_dtensor"),
-                             "summary": report["summary"]})
+                             "interleaving": inter, "summary": report["summary"]})
     write_json(args.json, report)
     return 0
 

@@ -19,3 +19,8 @@ def test_model_parallel_benchmark_quick(tmp_path):
     tp4 = report["plans"]["tp4"]
     assert tp4["grid"] == {"dp": 1, "tp": 4, "pp": 1}
     assert len(set(tp4["param_bytes_per_rank"])) == 1  # heads, MLP and vocabulary split evenly
+    inter = report["interleaving"]  # part (e): interleaved 1F1B's bubble beside 1F1B's, p = 2, m = 4
+    assert inter["1f1b"]["bubble_theory"] == pytest.approx(1 / 5)
+    assert inter["interleaved_1f1b"]["bubble_theory"] == pytest.approx(1 / 9)
+    assert all(run["bubble_bottleneck"] >= 0 for run in inter["interleaved_1f1b"]["runs"])
+    assert summary["step_ratio_interleaved_over_1f1b"] > 0
