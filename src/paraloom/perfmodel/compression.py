@@ -1,15 +1,19 @@
-"""Wire bytes of each gradient compressor's payload (paraloom/compress), and the time to exchange them."""
+"""Wire bytes of each gradient compressor's payload (paraloom/compress), the time to exchange them,
+and the time to encode and decode them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paraloom.errors import UserError
 from paraloom.perfmodel.network import LinkLike, allgather_time, allreduce_time
 from paraloom.rules import check_name
+
+if TYPE_CHECKING:
+    from paraloom.perfmodel.hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -153,3 +157,19 @@ def compressed_sync_time(nbytes_fp32: float, n: int, link: LinkLike, compressor:
     if WIRE_FORMATS[name].summable:
         return allreduce_time(payload, n, link, algorithm)
     return allgather_time(n * payload, n, link)
+
+
+def codec_time(hw: Hardware, compressor: str, grad_bytes: float) -> float:
+    """Encode plus decode seconds per step: measured seconds per byte (`codec_s_per_byte.<name>`,
+    from `paraloom calibrate`) or else `codec_passes.<name>` passes over the gradient at memory
+    bandwidth; the default pass counts are assumptions (fp16: read fp32, write fp16, and back: ~2;
+    the quantizers ~4; top-k selection ~8)."""
+    if compressor == "none":
+        return 0.0
+    measured = hw.constants.get(f"codec_s_per_byte.{compressor}")
+    if measured:
+        return measured * grad_bytes
+    defaults = {"fp16": 2.0, "bf16": 2.0, "qsgd": 4.0, "onebit": 4.0, "efsign": 4.0, "topk": 8.0,
+                "randomk": 4.0, "dgc": 8.0, "powersgd": 6.0}
+    passes = hw.constants.get(f"codec_passes.{compressor}", defaults.get(compressor, 4.0))
+    return passes * grad_bytes / hw.device.mem_bandwidth

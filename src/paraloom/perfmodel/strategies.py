@@ -14,7 +14,7 @@ from paraloom.choices import CONSISTENCY, PIPELINE_SCHEDULES, SCHEDULERS
 from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
 from paraloom.errors import UserError
 from paraloom.perfmodel import overlap
-from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time
+from paraloom.perfmodel.compression import codec_time, compressed_bytes, compressed_sync_time
 from paraloom.perfmodel.cpu_cost import (
     WIRE_DTYPE,
     comm_cpu,
@@ -290,7 +290,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     if opts.shard_optimizer:
         update /= plan.dp
     dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
-    codec = _codec(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
+    codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
     # the batch's copy to the device: host to device where calibrated, at memory bandwidth otherwise
     loading = hw.constants.get("copy_bandwidth.h2d", hw.device.mem_bandwidth)
     data = profile.input_bytes * global_batch / plan.dp / loading
@@ -384,19 +384,3 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
     return unhidden_cpu(exposed, total, comm_cpu(hw, plan, grad_bytes)), total
-
-
-def _codec(hw: Hardware, compressor: str, grad_bytes: float) -> float:
-    """Encode plus decode seconds per step: measured seconds per byte (`codec_s_per_byte.<name>`,
-    from `paraloom calibrate`) or else `codec_passes.<name>` passes over the gradient at memory
-    bandwidth; the default pass counts are assumptions (fp16: read fp32, write fp16, and back: ~2;
-    the quantizers ~4; top-k selection ~8)."""
-    if compressor == "none":
-        return 0.0
-    measured = hw.constants.get(f"codec_s_per_byte.{compressor}")
-    if measured:
-        return measured * grad_bytes
-    defaults = {"fp16": 2.0, "bf16": 2.0, "qsgd": 4.0, "onebit": 4.0, "efsign": 4.0, "topk": 8.0,
-                "randomk": 4.0, "dgc": 8.0, "powersgd": 6.0}
-    passes = hw.constants.get(f"codec_passes.{compressor}", defaults.get(compressor, 4.0))
-    return passes * grad_bytes / hw.device.mem_bandwidth
