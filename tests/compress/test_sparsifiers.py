@@ -373,3 +373,15 @@ def test_decompress_sum_equals_the_sum_of_decompressions(name):
     out = torch.empty(1000)
     comps[0].decompress_sum(torch.stack([p for p, _ in payloads]), payloads[0][1], out)
     torch.testing.assert_close(out, expected)
+
+
+def test_dgc_loads_a_checkpoint_written_with_its_old_generator_state():
+    """Before the sample was drawn per (seed, key, call), DGC's state held a generator's state."""
+    from paraloom.compress.state import load_state_of, state_dict_of
+
+    comp = DGCCompressor(density=0.01)
+    comp.compress(torch.randn(1000, generator=_gen(3)), key=0)
+    old = {**state_dict_of(comp), "generator": torch.Generator().get_state()}
+    fresh = DGCCompressor(density=0.01)
+    load_state_of(fresh, old)
+    assert fresh.calls == comp.calls and torch.equal(fresh.v[0], comp.v[0])

@@ -57,6 +57,7 @@ class DGCCompressor:
 
     summable = False
     state_fields = ("u", "v", "calls")
+    retired_fields = ("generator",)  # the sampling stream's state, before it was drawn per (key, call)
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, clip_norm: float | None = None,
                  warmup_steps: int = 0, sample_fraction: float = 0.01, seed: int = 0) -> None:

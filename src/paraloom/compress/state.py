@@ -33,6 +33,8 @@ def state_dict_of(obj: Any) -> dict[str, Any]:
 
 def load_state_of(obj: Any, state: dict[str, Any]) -> None:
     names = tuple(getattr(type(obj), "state_fields", ()))
+    retired = getattr(type(obj), "retired_fields", ())  # written by earlier versions, no longer needed
+    state = {k: v for k, v in state.items() if k not in retired}
     if set(state) != set(names):
         raise ValueError(f"{type(obj).__name__} state has fields {sorted(state)}, expected {sorted(names)}")
     for name in names:
