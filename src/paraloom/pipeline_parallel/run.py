@@ -38,6 +38,14 @@ def _tag(microbatch: int, boundary: int, channel: int, n_virtual: int) -> int:
     return (microbatch * n_virtual + boundary) * 3 + channel
 
 
+def header_of(t: torch.Tensor) -> torch.Tensor:
+    """The HEADER int64 slots announcing `t`: dtype code, ndim, then the shape."""
+    header = torch.zeros(HEADER, dtype=torch.int64, device=t.device)
+    header[0], header[1] = DTYPES.index(t.dtype), t.dim()
+    header[2: 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return header
+
+
 @dataclass
 class StepStats:
     """What one stage measured during one step."""
@@ -241,10 +249,7 @@ class StepRun:
                                 f"from {s.sent_shapes[key]} to {sent} under static_shapes=True; keep "
                                 "micro-batch shapes fixed or build the stage with static_shapes=False")
         else:
-            header = torch.zeros(HEADER, dtype=torch.int64, device=s.device)
-            header[0], header[1] = DTYPES.index(outgoing.dtype), outgoing.dim()
-            header[2: 2 + outgoing.dim()] = torch.tensor(outgoing.shape, dtype=torch.int64)
-            self.send(header, self.next, self.tag(action, u, HEADER_TAG))
+            self.send(header_of(outgoing), self.next, self.tag(action, u, HEADER_TAG))
             s.sent_shapes[key] = sent
         self.send(outgoing, self.next, self.tag(action, u, ACTIVATION_TAG), traced)
 

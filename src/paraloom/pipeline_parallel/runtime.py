@@ -45,6 +45,7 @@ from paraloom.pipeline_parallel.run import (
     INFER_TAG,
     StepRun,
     StepStats,
+    header_of,
 )
 from paraloom.pipeline_parallel.schedules import Action, make_schedule, validate
 from paraloom.trace.timeline import Timeline
@@ -150,12 +151,9 @@ class PipelineStage:
             out = module(h) if self.v == 1 else module(h, chunk=chunk)
             if u == last:
                 return out
-            out = out.contiguous()
-            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-            header[0], header[1] = DTYPES.index(out.dtype), out.dim()
-            header[2: 2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-            for work in (self.peers.isend(header, (self.stage + 1) % p, INFER_TAG + 3 * u + HEADER_TAG),
-                         self.peers.isend(out, (self.stage + 1) % p, INFER_TAG + 3 * u + ACTIVATION_TAG)):
+            out, peer = out.contiguous(), (self.stage + 1) % p
+            for work in (self.peers.isend(header_of(out), peer, INFER_TAG + 3 * u + HEADER_TAG),
+                         self.peers.isend(out, peer, INFER_TAG + 3 * u + ACTIVATION_TAG)):
                 work.wait()
         return None
 

@@ -125,7 +125,7 @@ def make_schedule(name: str, n_stages: int, n_microbatches: int, virtual_stages:
         if not isinstance(value, int) or value < 1:
             raise UserError(f"pipeline {what}={value!r} must be a positive integer")
     interleaved = SCHEDULES[name] is ScheduleInterleaved1F1B
-    if interleaved != (virtual_stages > 1) and not (interleaved and virtual_stages == 1):
+    if virtual_stages > 1 and not interleaved:
         raise UserError(f"virtual_stages={virtual_stages} is for schedule 'interleaved_1f1b'; "
                         f"schedule {name!r} runs one model chunk per stage")
     impl = ScheduleInterleaved1F1B(virtual_stages) if interleaved else SCHEDULES[name]()
