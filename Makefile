@@ -29,7 +29,7 @@ test: $(EXTRAS)
 # the tests marked cuda, on a GPU machine, with the interpreter at hand: no virtual environment, no install
 PYTHON ?= python3
 test-gpu:
-	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider
+	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -64,6 +64,9 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
         # thread's next collective raises, so the loop names the silent rank and stops or restarts
         # as under gloo (torch's default, 3, kills the process without a word); a user's value wins
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        # the loop's small control messages (run folder, health, checkpoint agreement) are host
+        # tensors, which NCCL refuses: gloo carries those, NCCL every CUDA tensor
+        backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(seconds=comm.timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:

@@ -28,5 +28,8 @@ def test_gpu_benchmark_quick_on_cpu(tmp_path):
     rows = report["prediction"]["rows"]
     assert [r["case"] for r in rows] == ["tiny gpt b4 fp32", "tiny gpt b8 bf16 recompute", "mlp b32 fp32"]
     assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 and r["measured_bytes"] is None for r in rows)
+    for r in rows:  # the one step timed part by part after the measured ones
+        assert set(r["measured_phases_s"]) == {"copy", "forward", "backward", "update"}
+        assert all(seconds > 0 for seconds in r["measured_phases_s"].values())
     assert report["prediction"]["time_error_max"] == max(abs(r["time_error"]) for r in rows)
     assert report["profile"]["constants"]["launch_s"] == report["launch_s"] > 0

@@ -83,7 +83,10 @@ def test_two_ranks_share_one_gpu_under_gloo():
     (ref_losses, ref_params), = run_workers(_train, 1, {}, True, backend="nccl", timeout=180)
     for losses, params in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
-        torch.testing.assert_close(params, ref_params)
+        # each rank's half batch runs other cuDNN kernels than the whole batch (another summation
+        # order); Adam's step, about lr whatever the gradient's size, turns a last-bit difference
+        # of a near-zero gradient into one of up to ~3e-5 in its weight over the 8 steps (seen: 2.4e-5)
+        torch.testing.assert_close(params, ref_params, atol=1e-4, rtol=1e-4)
 
 
 def _compressed(rank, world, compressor):
@@ -134,7 +137,7 @@ def test_paraloom_train_on_cuda(tmp_path, args):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["device"].startswith("cuda")
-    assert summary["backend"] == ("gloo" if "comm.backend=gloo" in args else "nccl")
+    assert summary["backend"] == ("gloo" if "comm.backend=gloo" in args else "cpu:gloo,cuda:nccl")
     assert summary["test_accuracy"] > 0.9  # the cnn on digits: about 0.97 after 3 epochs on CPU
     state = torch.load(run / "model.pt", map_location="cpu", weights_only=True)
     assert all(value.device.type == "cpu" for value in state.values())

@@ -4,6 +4,7 @@ The GPU itself is measured by `make test-gpu` and benchmarks/gpu.py; here the sa
 CPU with small sizes (the figures are the CPU's, the arithmetic the same).
 """
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -77,9 +78,10 @@ def test_the_prediction_follows_the_measured_rates_and_codecs(measured):
 
 
 @pytest.mark.parametrize(("name", "preset"), [
-    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-32GB", "v100"),
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+    ("Tesla V100-SXM2-32GB", "v100"),
     ("Tesla V100-PCIE-32GB", "v100-pcie"), ("Tesla T4", "t4"), ("NVIDIA L4", "l4"), ("NVIDIA A10", "a10"),
-    ("AMD Instinct MI300X", "mi300x"), ("NVIDIA H200", None), ("NVIDIA GeForce RTX 4090", None),
+    ("AMD Instinct MI300X", "mi300x"), ("NVIDIA GeForce RTX 4090", None),
 ])
 def test_a_devices_name_picks_its_data_sheet(name, preset):
     assert dp.preset_for(name) == preset
@@ -124,3 +126,21 @@ def test_small_layers_wait_on_their_kernels_launches(measured):
     assert est.breakdown["compute"] == pytest.approx(kernels)
     without = replace(hw, constants={k: v for k, v in hw.constants.items() if k != "launch_s"})
     assert estimate(small, without, Plan(dp=1), 8).breakdown["compute"] < est.breakdown["compute"]
+
+
+def test_a_rate_counts_finished_calls_not_queued_ones(monkeypatch):
+    """On a GPU a call only queues its kernel: the calibration must wait for each call, or it would
+    queue thousands of them in its first `min_s` and every sample would then run for minutes."""
+    from paraloom.perfmodel import microbench
+
+    queued, run_s = [0], 0.002
+
+    def sync():  # the device finishes what was queued
+        time.sleep(queued[0] * run_s)
+        queued[0] = 0
+
+    monkeypatch.setattr(microbench, "synchronizer", lambda device: sync)
+    began = time.perf_counter()
+    rate = microbench.rate(lambda: queued.__setitem__(0, queued[0] + 1), 1.0, repeats=3, min_s=0.02)
+    assert time.perf_counter() - began < 1.0
+    assert rate == pytest.approx(1 / run_s, rel=0.5)

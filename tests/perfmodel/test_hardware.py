@@ -124,7 +124,7 @@ def test_dataclasses_check_their_fields():
      "efficiency.matmul=2.0 must lie in"),
     ("device: {preset: h100, peak_flops: {fp64: 1}}\ninter: 1gbe", "unknown field 'fp64'"),
     ("device: {preset: h100, hbm: 3}\ninter: 1gbe", "unknown field 'hbm'"),
-    ("device: tpu\ninter: 1gbe", "device preset 'tpu' is not known; choose one of: h100, a100, v100"),
+    ("device: tpu\ninter: 1gbe", "device preset 'tpu' is not known; choose one of: h100, h200, a100, v100"),
     ("device: h100\ninter: carrier-pigeon", "link preset 'carrier-pigeon' is not known"),
     ("device: h100", "needs a 'inter' field"),
     ("device: {peak_flops: {fp32: 1}}\ninter: 1gbe", "needs efficiency, mem_bandwidth, mem_capacity"),

@@ -87,10 +87,36 @@ def measure(case: Case, device: torch.device, *, steps: int = 10, warmup: int = 
         if i >= warmup:
             times.append(time.perf_counter() - began)
     peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
+    phases = _phases(model, optimizer, host, y, autocast, device)
     del model, optimizer, out, loss
     if cuda:
         torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times), "peak_bytes": peak, "steps": times}
+    return {"step_s": statistics.median(times), "peak_bytes": peak, "steps": times, "phases_s": phases}
+
+
+def _phases(model, optimizer, host, y, autocast, device) -> dict[str, float]:
+    """One more step, synchronized between its parts: seconds of the copy, the forward with its loss,
+    the backward and the update (after the timed steps, so their timing holds no extra syncs)."""
+    sync, marks = synchronizer(device), []
+
+    def mark() -> None:
+        sync()
+        marks.append(time.perf_counter())
+
+    mark()
+    batch = host.to(device, non_blocking=True)
+    mark()
+    with autocast:
+        out = model(batch)
+    loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+    mark()
+    loss.backward()
+    mark()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark()
+    gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    return dict(zip(("copy", "forward", "backward", "update"), gaps, strict=True))
 
 
 def compare(cases: list[Case], hw: Hardware, device: torch.device, *, steps: int = 10, warmup: int = 3,
@@ -105,7 +131,8 @@ def compare(cases: list[Case], hw: Hardware, device: torch.device, *, steps: int
                "predicted_s": predicted["step_s"], "measured_s": measured["step_s"],
                "time_error": predicted["step_s"] / measured["step_s"] - 1,
                "predicted_bytes": predicted["peak_bytes"], "measured_bytes": measured["peak_bytes"],
-               "breakdown": predicted["breakdown"], "measured_steps_s": measured["steps"]}
+               "breakdown": predicted["breakdown"], "measured_steps_s": measured["steps"],
+               "measured_phases_s": measured["phases_s"]}
         row["memory_error"] = (predicted["peak_bytes"] / measured["peak_bytes"] - 1
                                if measured["peak_bytes"] else None)
         rows.append(row)

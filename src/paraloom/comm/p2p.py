@@ -9,7 +9,11 @@ SEGMENT_BYTES = 1 << 20  # messages are cut into pieces of this size so reductio
 
 
 class Peers:
-    """A process group seen by one rank: its rank, size, and sends/receives by group rank."""
+    """A process group seen by one rank: its rank, size, and sends/receives by group rank.
+
+    gloo moves host memory only: under it a CUDA tensor is sent from a host copy and received into
+    one, then copied to the device when the receive is waited for (slow, but correct; NCCL, or a
+    group that gives CUDA tensors to NCCL, moves them directly)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -18,12 +22,58 @@ class Peers:
         whole = group is None or group == dist.group.WORLD
         self._global = list(range(self.size)) if whole else [
             dist.get_global_rank(group, i) for i in range(self.size)]
+        self._by_host = through_host(group)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        if self._by_host and tensor.device.type != "cpu":
+            tensor = tensor.cpu()  # the work holds the copy until it is sent
         return dist.isend(tensor, dst=self._global[peer], group=self.group, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work | LandsOnWait:
+        if self._by_host and tensor.device.type != "cpu":
+            host = torch.empty_like(tensor, device="cpu")
+            work = dist.irecv(host, src=self._global[peer], group=self.group, tag=tag)
+            return LandsOnWait(work, host, tensor)
         return dist.irecv(tensor, src=self._global[peer], group=self.group, tag=tag)
+
+
+def through_host(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `group` sends a device tensor by way of host memory (plain gloo)."""
+    return dist.get_backend(group) == dist.Backend.GLOO
+
+
+class LandsOnWait:
+    """A receive into host memory whose data is copied to its device tensor when first waited for."""
+
+    def __init__(self, work: dist.Work, host: torch.Tensor, target: torch.Tensor) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self, *args) -> bool:
+        done = self.work.wait(*args)
+        if self.host is not None:
+            self.target.copy_(self.host)
+            self.host = None
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def send_blocking(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """`dist.send`, by way of host memory where the group needs it (see `Peers`)."""
+    if through_host(group) and tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    dist.send(tensor, dst, group=group)
+
+
+def recv_blocking(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """`dist.recv` into `tensor`, by way of host memory where the group needs it (see `Peers`)."""
+    if through_host(group) and tensor.device.type != "cpu":
+        host = torch.empty_like(tensor, device="cpu")
+        dist.recv(host, src, group=group)
+        tensor.copy_(host)
+    else:
+        dist.recv(tensor, src, group=group)
 
 
 def segment_elems(tensor: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> int:

@@ -37,8 +37,8 @@ def rate(fn: Callable[[], Any], work: float, *, device: torch.device = torch.dev
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < min_s:
         fn()
+        sync()  # count finished calls: on a GPU `fn` only queues its kernels, far faster than they run
         calls += 1
-    sync()
     calls = max(1, calls)
     samples = []
     for _ in range(repeats):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.comm.p2p import recv_blocking, send_blocking
 from paraloom.pipeline_parallel.partition import Bounds, balance_by_params, balance_by_time
 from paraloom.pipeline_parallel.schedules import bubble_fraction
 
@@ -80,12 +81,12 @@ def gather_stages(stage_state: dict[str, torch.Tensor], bounds: Bounds, stage: i
                 out[key] = mine[key]
             else:
                 out[key] = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(out[key], source_of[stage_of(key)])
+                recv_blocking(out[key], source_of[stage_of(key)])
         return out if names is None else {_renamed(key, names): value for key, value in out.items()}
     if sender:
         for key in shapes:
             if stage_of(key) in stages:
-                dist.send(mine[key].contiguous(), 0)
+                send_blocking(mine[key].contiguous(), 0)
     return None
 
 
