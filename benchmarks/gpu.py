@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from common import make_table, write_json
 from rich.console import Console
 
-from paraloom.bench.single_device import GPU_CASES, QUICK_CASES, compare
+from paraloom.bench.single_device import GPU_CASES, QUICK_CASES, compare, trace
 from paraloom.data_parallel import DataParallel
 from paraloom.models.gpt import GPT
 from paraloom.perfmodel.device_profile import BUCKETS_MB, device_profile, measure_device
@@ -44,6 +44,7 @@ from paraloom.perfmodel.microbench import DTYPES
 
 GPT_350M = {"seq_len": 1024, "n_layers": 24, "d_model": 1024, "n_heads": 16, "batch": 8}
 GPT_QUICK = {"seq_len": 32, "n_layers": 2, "d_model": 64, "n_heads": 4, "batch": 4}
+TRACED = ("gpt-125m b8 bf16", "gpt-1.3b b4 bf16", "resnet50 b64 bf16")  # --trace: the cases profiled
 QUICK_SIZES = {"matmul": 128, "conv": (2, 8, 16), "attention": (2, 2, 64, 16), "elements": 2**16}
 
 
@@ -55,8 +56,9 @@ def one_rank_group(device: torch.device, store_dir: str) -> None:
 
 
 def overhead(device: torch.device, gpt: dict[str, int], *, steps: int, warmup: int, rounds: int,
-             dtype: str) -> dict[str, Any]:
-    """Median step seconds of the bare model, paraloom's DataParallel and torch DDP at world size 1."""
+             dtype: str, traces: dict[str, str] | None = None) -> dict[str, Any]:
+    """Median step seconds of the bare model, paraloom's DataParallel and torch DDP at world size 1;
+    with `traces`, torch.profiler's tables of two more steps of each, after the last round."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     gen = torch.Generator().manual_seed(1)
@@ -73,19 +75,25 @@ def overhead(device: torch.device, gpt: dict[str, int], *, steps: int, warmup: i
                         n_heads=gpt["n_heads"]).to(device)
             net = wrappers[name](model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            times = []
-            for i in range(warmup + steps):
-                sync()
-                began = time.perf_counter()
+            def step(net=net, optimizer=optimizer):
                 optimizer.zero_grad(set_to_none=True)
                 with torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "fp32"):
                     loss = F.cross_entropy(net(x).flatten(0, 1).float(), y.flatten())
                 loss.backward()
                 optimizer.step()
+
+            times = []
+            for i in range(warmup + steps):
+                sync()
+                began = time.perf_counter()
+                step()
                 sync()
                 if i >= warmup:
                     times.append(time.perf_counter() - began)
             seconds[name].append(statistics.median(times))
+            if traces is not None and r == rounds - 1:
+                traces[f"engine: {name}"] = trace(step, device, 2)
+            del step
             if name == "paraloom":
                 net.close()
             del net, model, optimizer
@@ -104,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", required=True)
     parser.add_argument("--profile", help="also write the measured hardware profile here (YAML)")
     parser.add_argument("--preset", help="the data sheet the profile's efficiencies are fractions of")
+    parser.add_argument("--trace", help="also write torch.profiler's tables of a few cases and of the "
+                        "engine's variants here (text)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -121,9 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, report)
     print_device(console, report)
 
-    report["prediction"] = compare(QUICK_CASES if quick else GPU_CASES, hw, device,
-                                   steps=2 if quick else 10, warmup=1 if quick else 3,
+    cases = QUICK_CASES if quick else GPU_CASES
+    traces: dict[str, str] | None = {} if args.trace else None
+    report["prediction"] = compare(cases, hw, device, steps=2 if quick else 10, warmup=1 if quick else 3,
+                                   traced=TRACED if traces is not None and not quick else
+                                   (cases[0].label,) if traces is not None else (),
                                    progress=lambda label: say(f"predict and measure {label}"))
+    for row in report["prediction"]["rows"]:
+        if "trace" in row:
+            traces[f"case: {row['case']}"] = row.pop("trace")
     write_json(args.json, report)
     print_prediction(console, report["prediction"])
 
@@ -132,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             say("engine overhead at world size 1")
             report["overhead"] = overhead(device, GPT_QUICK if quick else GPT_350M, steps=3 if quick else 20,
-                                          warmup=1 if quick else 5, rounds=2 if quick else 3, dtype="bf16")
+                                          warmup=1 if quick else 5, rounds=2 if quick else 3, dtype="bf16",
+                                          traces=traces)
         finally:
             dist.destroy_process_group()
     write_json(args.json, report)
+    if traces is not None:
+        Path(args.trace).write_text("\n\n".join(f"== {name}\n{text}" for name, text in traces.items()))
     o = report["overhead"]
     console.print(f"engine at world size 1, GPT {o['parameters'] / 1e6:.0f}M {o['dtype']}: step "
                   + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in o["step_seconds"].items())

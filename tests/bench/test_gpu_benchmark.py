@@ -10,8 +10,12 @@ from paraloom.compress import COMPRESSORS
 
 @pytest.mark.timeout(240)
 def test_gpu_benchmark_quick_on_cpu(tmp_path):
-    out = tmp_path / "gpu.json"
-    run_script("gpu.py", "--quick", "--device", "cpu", "--json", str(out), timeout=200)
+    out, traces = tmp_path / "gpu.json", tmp_path / "trace.txt"
+    run_script("gpu.py", "--quick", "--device", "cpu", "--json", str(out), "--trace", str(traces),
+               timeout=200)
+    names = [line for line in traces.read_text().splitlines() if line.startswith("== ")]
+    assert names[0] == "== case: tiny gpt b4 fp32"  # then the engine's variants, in the last round's order
+    assert sorted(names[1:]) == ["== engine: ddp", "== engine: paraloom", "== engine: plain"]
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and set(report["compute"]) == {"fp32", "bf16"}
     for row in report["compute"].values():

@@ -14,6 +14,7 @@ import paraloom.perfmodel.device_profile as dp
 from paraloom.cli import main
 from paraloom.perfmodel.hardware import Hardware, device_preset, load_hardware
 from paraloom.perfmodel.profile import profile_model
+from paraloom.perfmodel.specs import build_from_spec
 from paraloom.perfmodel.strategies import Options, Plan, estimate
 
 TINY = {"matmul": 64, "conv": (2, 4, 8), "attention": (1, 2, 32, 8), "elements": 2**12}
@@ -31,6 +32,9 @@ def test_the_micro_benchmarks_cover_every_dtype_class_and_codec(measured):
     for rates in measured["compute"].values():
         assert set(rates) == {"matmul", "conv", "attention", "other", "bandwidth"}
         assert all(v > 0 for v in rates.values())
+    assert set(measured["host"]) == {"matmul", "conv", "attention", "other"}
+    assert all(costs["fwd"] > 0 and costs["bwd"] >= 0 for costs in measured["host"].values())
+    assert set(measured["optimizers"]) == {"sgd", "momentum", "adam"}
     assert set(measured["codecs"]) == {"0.25MB", "1MB"}
     assert set(measured["codecs"]["1MB"]) == set(COMPRESSORS)
     assert measured["capacity"] > 2**30
@@ -112,20 +116,48 @@ def test_calibrate_device_refuses_in_one_line(tmp_path, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_small_layers_wait_on_their_kernels_launches(measured):
-    """A profile counts each layer's kernels (the same at any batch); with a measured launch the
-    model's layer time is no less than its kernels' launches."""
+def test_small_layers_wait_on_their_host(measured):
+    """A profile counts each layer's ops by class (the same at any batch); with the host's measured
+    cost per op (or, without it, a kernel's launch) a layer takes no less than issuing its ops."""
     small = profile_model("gpt:layers=2,hidden=64,heads=4,seq=32")
     assert all(layer.fwd_kernels > 0 and layer.bwd_kernels > 0 for layer in small.layers)
-    assert small.layers[1].fwd_kernels == small.layers[2].fwd_kernels  # two blocks alike
+    assert all(sum(layer.fwd_ops.values()) == layer.fwd_kernels for layer in small.layers)
+    assert small.layers[1].fwd_ops == small.layers[2].fwd_ops  # two blocks alike
     hw, _ = dp.device_profile(measured, preset="h100")
     assert hw.constants["launch_s"] == measured["launch_s"] > 0
-    slow = replace(hw, constants={**hw.constants, "launch_s": 1.0})  # a second a kernel: launch-bound
+    assert hw.constants["host_s.conv.bwd"] == measured["host"]["conv"]["bwd"]
+    per_op = {f"host_s.{c}.{phase}": {"matmul": 1.0, "conv": 2.0, "attention": 3.0, "other": 4.0}[c]
+              for c in ("matmul", "conv", "attention", "other") for phase in ("fwd", "bwd")}
+    slow = replace(hw, constants={**hw.constants, **per_op})  # seconds an op: host-bound
     est = estimate(small, slow, Plan(dp=1), 8)
+    issued = sum(n * {"matmul": 1, "conv": 2, "attention": 3, "other": 4}[c]
+                 for layer in small.layers for ops in (layer.fwd_ops, layer.bwd_ops) for c, n in ops.items())
+    assert est.breakdown["compute"] == pytest.approx(issued)
+    no_host = {k: v for k, v in hw.constants.items() if not k.startswith("host_s.")}
+    launch = replace(hw, constants={**no_host, "launch_s": 1.0})  # the fallback: a second a kernel
     kernels = sum(layer.fwd_kernels + layer.bwd_kernels for layer in small.layers)
-    assert est.breakdown["compute"] == pytest.approx(kernels)
-    without = replace(hw, constants={k: v for k, v in hw.constants.items() if k != "launch_s"})
-    assert estimate(small, without, Plan(dp=1), 8).breakdown["compute"] < est.breakdown["compute"]
+    assert estimate(small, launch, Plan(dp=1), 8).breakdown["compute"] == pytest.approx(kernels)
+    bare = replace(hw, constants={k: v for k, v in no_host.items() if k != "launch_s"})
+    assert estimate(small, bare, Plan(dp=1), 8).breakdown["compute"] < est.breakdown["compute"]
+
+
+def test_the_update_is_torchs_measured_step(measured):
+    """Where the device's optimizer steps were measured, the update is their per-parameter and
+    per-tensor seconds over the largest stage's share; else its bytes at memory bandwidth."""
+    for costs in measured["optimizers"].values():
+        assert costs["per_param_s"] > 0 and costs["per_tensor_s"] >= 0
+    small = profile_model("gpt:layers=2,hidden=64,heads=4,seq=32")
+    hw, _ = dp.device_profile(measured, preset="h100")
+    timed = replace(hw, constants={**hw.constants, "update_s_per_param.adam": 1e-6,
+                                   "update_s_per_tensor.adam": 1e-3})
+    assert small.param_tensors == sum(1 for _ in build_from_spec(small.spec, "meta")[0].parameters())
+    est = estimate(small, timed, Plan(dp=1), 8, Options(optimizer="adam"))
+    assert est.breakdown["update"] == pytest.approx(small.n_params * 1e-6 + small.param_tensors * 1e-3)
+    half = estimate(small, timed, Plan(tp=2), 8, Options(optimizer="adam")).breakdown["update"]
+    assert half == pytest.approx(small.n_params / 2 * 1e-6 + small.param_tensors * 1e-3)  # tensors stay
+    bare = replace(hw, constants={k: v for k, v in hw.constants.items() if not k.startswith("update_s")})
+    bandwidth = estimate(small, bare, Plan(dp=1), 8, Options(optimizer="adam")).breakdown["update"]
+    assert bandwidth == pytest.approx(28 * small.n_params / hw.device.mem_bandwidth)
 
 
 def test_a_rate_counts_finished_calls_not_queued_ones(monkeypatch):

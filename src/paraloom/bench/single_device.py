@@ -54,8 +54,10 @@ def _recompute(model: torch.nn.Module) -> None:
         block.recompute = True
 
 
-def measure(case: Case, device: torch.device, *, steps: int = 10, warmup: int = 3) -> dict[str, Any]:
-    """Median step seconds and peak bytes of training `case` on `device` (see the module's text)."""
+def measure(case: Case, device: torch.device, *, steps: int = 10, warmup: int = 3,
+            trace_steps: int = 0) -> dict[str, Any]:
+    """Median step seconds and peak bytes of training `case` on `device` (see the module's text);
+    with `trace_steps`, torch.profiler's tables of that many more steps (`trace`)."""
     torch.manual_seed(0)
     model, make_input = build_from_spec(case.spec, device)
     model.train()
@@ -70,12 +72,8 @@ def measure(case: Case, device: torch.device, *, steps: int = 10, warmup: int = 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     autocast = torch.autocast(device.type, dtype=DTYPES[case.dtype], enabled=case.dtype != "fp32")
     sync, cuda = synchronizer(device), device.type == "cuda"
-    times = []
-    for i in range(warmup + steps):
-        if cuda and i == warmup:
-            torch.cuda.reset_peak_memory_stats(device)
-        sync()
-        began = time.perf_counter()
+
+    def step() -> None:
         batch = host.to(device, non_blocking=True)
         with autocast:
             out = model(batch)
@@ -83,15 +81,38 @@ def measure(case: Case, device: torch.device, *, steps: int = 10, warmup: int = 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(warmup + steps):
+        if cuda and i == warmup:
+            torch.cuda.reset_peak_memory_stats(device)
+        sync()
+        began = time.perf_counter()
+        step()
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - began)
     peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
-    phases = _phases(model, optimizer, host, y, autocast, device)
-    del model, optimizer, out, loss
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"step_s": statistics.median(times), "peak_bytes": peak, "steps": times, "phases_s": phases}
+    out = {"step_s": statistics.median(times), "peak_bytes": peak, "steps": times,
+           "phases_s": _phases(model, optimizer, host, y, autocast, device)}
+    if trace_steps:
+        out["trace"] = trace(step, device, trace_steps)
+    return out  # the model and its optimizer go with this frame (compare then empties the cache)
+
+
+def trace(step, device: torch.device, steps: int) -> str:
+    """torch.profiler's tables of `steps` calls of `step`: the ops by device time, then by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for _ in range(steps):
+            step()
+        synchronizer(device)()
+    table = prof.key_averages()
+    by_device = table.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=25)
+    return f"{steps} steps, by device time\n{by_device}\nby host time\n" \
+           f"{table.table(sort_by='self_cpu_time_total', row_limit=15)}"
 
 
 def _phases(model, optimizer, host, y, autocast, device) -> dict[str, float]:
@@ -120,12 +141,17 @@ def _phases(model, optimizer, host, y, autocast, device) -> dict[str, float]:
 
 
 def compare(cases: list[Case], hw: Hardware, device: torch.device, *, steps: int = 10, warmup: int = 3,
-            progress=lambda _: None) -> dict[str, Any]:
-    """Each case predicted then measured, with the relative errors, and their median and maximum."""
+            traced: tuple[str, ...] = (), progress=lambda _: None) -> dict[str, Any]:
+    """Each case predicted then measured, with the relative errors, and their median and maximum;
+    the cases `traced` names also get torch.profiler's tables of two more steps (`trace`)."""
     rows = []
     for case in cases:
         progress(case.label)
-        predicted, measured = predict(case, hw), measure(case, device, steps=steps, warmup=warmup)
+        predicted = predict(case, hw)
+        measured = measure(case, device, steps=steps, warmup=warmup,
+                           trace_steps=2 if case.label in traced else 0)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         row = {"case": case.label, "spec": case.spec, "batch": case.batch, "dtype": case.dtype,
                "recompute": case.recompute, "parameters": predicted["parameters"],
                "predicted_s": predicted["step_s"], "measured_s": measured["step_s"],
@@ -133,6 +159,8 @@ def compare(cases: list[Case], hw: Hardware, device: torch.device, *, steps: int
                "predicted_bytes": predicted["peak_bytes"], "measured_bytes": measured["peak_bytes"],
                "breakdown": predicted["breakdown"], "measured_steps_s": measured["steps"],
                "measured_phases_s": measured["phases_s"]}
+        if "trace" in measured:
+            row["trace"] = measured["trace"]
         row["memory_error"] = (predicted["peak_bytes"] / measured["peak_bytes"] - 1
                                if measured["peak_bytes"] else None)
         rows.append(row)
@@ -158,6 +186,11 @@ GPU_CASES = [
     Case("gpt-1.3b b8 bf16 recompute", GPT_1300M, 8, recompute=True),
     Case("resnet50 b64 bf16", "resnet50", 64),
     Case("resnet50 b64 fp32", "resnet50", 64, "fp32"),
+    # added after the first GPU run had shaped the model (autocast, loss, host and optimizer terms):
+    # configurations it never saw
+    Case("gpt-350m b16 bf16", GPT_350M, 16),
+    Case("gpt-760m b4 fp32", GPT_760M, 4, "fp32"),
+    Case("resnet50 b128 bf16", "resnet50", 128),
 ]
 TINY_GPT = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256"
 QUICK_CASES = [  # the same code on any device in seconds: a smoke run

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from paraloom.errors import UserError
+from paraloom.perfmodel.device_cost import HOST, LAUNCH, UPDATE_PER_PARAM, UPDATE_PER_TENSOR
 from paraloom.perfmodel.hardware import (
     OP_CLASSES,
     Device,
@@ -32,8 +33,14 @@ from paraloom.perfmodel.hardware import (
     network_nics,
     preset_node,
 )
-from paraloom.perfmodel.microbench import codec_rates, compute_rates, copy_rates, launch_seconds
-from paraloom.perfmodel.strategies import LAUNCH
+from paraloom.perfmodel.microbench import (
+    codec_rates,
+    compute_rates,
+    copy_rates,
+    host_costs,
+    launch_seconds,
+    optimizer_costs,
+)
 
 BUCKETS_MB = (25, 100)  # the engine's default bucket, and a large one
 CODEC_BUCKET_MB = 25
@@ -49,9 +56,10 @@ def preset_for(device_name: str) -> str | None:
 
 def measure_device(device: torch.device, *, dtypes: tuple[str, ...] | None = None,
                    sizes: dict[str, Any] | None = None, min_s: float = 0.05,
-                   buckets_mb: tuple[float, ...] = BUCKETS_MB,
+                   buckets_mb: tuple[float, ...] = BUCKETS_MB, optimizer_sets: tuple | None = None,
                    progress=lambda _: None) -> dict[str, Any]:
-    """Every micro-benchmark of `device`: compute per dtype, copies (CUDA), codecs per bucket, capacity."""
+    """Every micro-benchmark of `device`: compute per dtype, copies (CUDA), optimizers, codecs per
+    bucket, capacity."""
     cuda = device.type == "cuda"
     dtypes = dtypes or (("fp32", "bf16", "fp16") if cuda else ("fp32", "bf16"))
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -67,6 +75,10 @@ def measure_device(device: torch.device, *, dtypes: tuple[str, ...] | None = Non
         out["capacity"] = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         out["capacity"] = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    progress("the host's cost of issuing one op of each class, forward and backward")
+    out["host"] = host_costs(device, min_s=min_s)
+    progress("optimizers: a step of torch's SGD, SGD with momentum and AdamW")
+    out["optimizers"] = optimizer_costs(device, sets=optimizer_sets, min_s=min_s)
     for mb in buckets_mb:
         progress(f"compressors: encode and decode of a {mb:g} MB bucket")
         out["codecs"][f"{mb:g}MB"] = codec_rates(device, int(mb * 2**20), min_s=min(min_s, 0.02))
@@ -96,6 +108,11 @@ def device_profile(measured: dict[str, Any], *, preset: str | None = None, inter
     constants[LAUNCH] = measured["launch_s"]
     for direction, rate in measured.get("copies", {}).items():
         constants[f"copy_bandwidth.{direction}"] = rate
+    for op_class, phases in measured.get("host", {}).items():
+        constants.update({f"{HOST}.{op_class}.{phase}": seconds for phase, seconds in phases.items()})
+    for optimizer, costs in measured.get("optimizers", {}).items():
+        constants[f"{UPDATE_PER_PARAM}.{optimizer}"] = costs["per_param_s"]
+        constants[f"{UPDATE_PER_TENSOR}.{optimizer}"] = costs["per_tensor_s"]
     codecs = measured["codecs"].get(f"{CODEC_BUCKET_MB}MB") or next(iter(measured["codecs"].values()), {})
     constants.update({f"codec_s_per_byte.{k}": 1.0 / v for k, v in codecs.items()})
     node = preset_node(preset) if preset else {}

@@ -36,19 +36,33 @@ def activation_share(tp: int) -> float:
 def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> dict[str, float]:
     """Bytes one device of `stage` holds, by kind."""
     params = part.n_params / plan.tp
-    weights = params * part.dtype_bytes
-    grads = params * part.dtype_bytes
+    weights = params * part.dtype_bytes  # fp32 weights; under autocast, the low-precision copies it makes
+    grads = part.grad_bytes / plan.tp
     optimizer = part.optimizer_bytes(opts.optimizer) / plan.tp
     if opts.shard_optimizer:
         optimizer /= plan.dp
     buffers = params * 4.0 if plan.dp > 1 else 0.0  # the engine's fp32 buckets hold a gradient copy
     held = in_flight(plan.schedule, plan.microbatches, plan.pp, stage, plan.virtual_stages)
     activations = part.activation_bytes() * micro * activation_share(plan.tp) * held
+    # the layer whose forward and backward need the most room besides what it saves (a language
+    # model's loss over its vocabulary, usually), with every other layer's saved tensors held
+    working = max(layer.work_bytes for layer in part.layers) * micro * activation_share(plan.tp)
     return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers,
-            "activations": activations}
+            "activations": activations, "working": working}
+
+
+def peak_bytes(kinds: dict[str, float], mixed: bool) -> float:
+    """A device's peak from `stage_memory`'s kinds. Optimizer state (with autocast's fp32 weights),
+    buffers and fp32 weights stay; gradients are made during backward (they are set to None after
+    each step, torch's default) while backward frees the saved activations and autocast's weight
+    copies layer by layer: the peak is at backward's start or its end, whichever holds more."""
+    kept = kinds["optimizer"] + kinds["buffers"] + (0.0 if mixed else kinds["weights"])
+    backward = kinds["activations"] + kinds["working"] + (kinds["weights"] if mixed else 0.0)
+    return kept + max(backward, kinds["grads"])
 
 
 def device_memory(profile: ModelProfile, plan, stages: list[tuple[int, int]], micro: float, opts) -> float:
     """The fullest device's bytes over every stage of the plan."""
-    return max(sum(stage_memory(profile.slice(start, stop), plan, k, micro, opts).values())
+    mixed = profile.dtype != "fp32"
+    return max(peak_bytes(stage_memory(profile.slice(start, stop), plan, k, micro, opts), mixed)
                for k, (start, stop) in enumerate(stages))

@@ -1,6 +1,6 @@
 """Micro-benchmarks of one device, CPU or CUDA: compute by op class and dtype, memory bandwidth,
-a kernel's launch, host-device copies, and each compressor's encode + decode throughput on a
-gradient bucket.
+a kernel's launch, host-device copies, each compressor's encode + decode throughput on a gradient
+bucket, and torch's own optimizers' step (per parameter and per tensor).
 
 Each figure is work over the median time of repeated samples after a warm-up; on CUDA a sample is
 bracketed by `torch.cuda.synchronize`, so it times the kernels, not their launch. Sizes are small
@@ -109,4 +109,78 @@ def codec_rates(device: torch.device, bucket_bytes: int, names: list[str] | None
             codec.decompress(payload, ctx)
 
         out[name] = rate(roundtrip, float(bucket_bytes), device=device, repeats=3, min_s=min_s)
+    return out
+
+
+# per device type: (tensors, elements each) of a parameter set whose step is bound by memory traffic,
+# and of one bound by the work done per tensor (launches, and the host's Python around them)
+OPTIMIZER_SETS = {"cpu": ((4, 2**20), (64, 256)), "cuda": ((4, 2**24), (256, 1024))}
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+              "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+              "adam": lambda ps: torch.optim.AdamW(ps, lr=1e-3)}
+
+
+def optimizer_costs(device: torch.device, *, sets: tuple | None = None,
+                    min_s: float = 0.05) -> dict[str, dict[str, float]]:
+    """Seconds per parameter and per parameter tensor of each optimizer's `step()` in torch's default
+    implementation for `device` (foreach kernels on a GPU): timed on a set of few large tensors and
+    one of many small ones, the two costs solved from the pair (neither below zero)."""
+    (big_n, big_size), (small_n, small_size) = sets or OPTIMIZER_SETS[device.type]
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        seconds = []
+        for n, size in ((big_n, big_size), (small_n, small_size)):
+            params = [torch.zeros(size, device=device, requires_grad=True) for _ in range(n)]
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            optimizer = make(params)
+            seconds.append(1.0 / rate(optimizer.step, 1.0, device=device, repeats=5, min_s=min_s))
+            del optimizer, params
+        # t = per_tensor * n + per_param * n * size, for both sets
+        det = big_n * small_n * small_size - small_n * big_n * big_size
+        per_param = (seconds[1] * big_n - seconds[0] * small_n) / det
+        per_tensor = (seconds[0] - per_param * big_n * big_size) / big_n
+        if per_tensor < 0:  # no measurable cost per tensor: all of it per parameter
+            per_tensor, per_param = 0.0, seconds[0] / (big_n * big_size)
+        out[name] = {"per_param_s": max(per_param, 0.0), "per_tensor_s": per_tensor}
+    return out
+
+
+def _host_ops(device: torch.device) -> dict[str, tuple]:
+    """Per op class: (its input, one weight of the chain, the op) on tensors so small that only
+    issuing them counts; each op's output has its input's shape, so ops chain."""
+    def w(*shape):
+        return lambda: torch.randn(*shape, device=device, requires_grad=True)
+
+    return {
+        "matmul": ((4, 16), w(16, 16), F.linear),
+        "conv": ((1, 4, 8, 8), w(4, 4, 3, 3), lambda x, k: F.conv2d(x, k, padding=1)),
+        "attention": ((1, 1, 8, 16), lambda: None,
+                      lambda x, _: F.scaled_dot_product_attention(x, x, x, is_causal=True)),
+        "other": ((4, 16), lambda: None, lambda x, _: F.gelu(x)),
+    }
+
+
+def host_costs(device: torch.device, *, chain: int = 32, min_s: float = 0.05) -> dict[str, dict[str, float]]:
+    """Seconds the host spends on one op of each class, forward and backward, in eager PyTorch with
+    autograd: the cost of issuing it (dispatch, the library's own setup, the launch), which a step of
+    many small ops pays whatever the device's speed. Measured on a chain of `chain` tiny ops, forward
+    alone and forward with backward; a layer is no faster than its ops can be issued."""
+    out = {}
+    for name, (shape, weight, op) in _host_ops(device).items():
+        x = torch.randn(*shape, device=device, requires_grad=True)
+        weights = [weight() for _ in range(chain)]
+
+        def forward(x=x, weights=weights, op=op):
+            y = x
+            for k in weights:
+                y = op(y, k)
+            return y
+
+        def both(forward=forward, grad=torch.ones(shape, device=device)):
+            forward().backward(gradient=grad)
+
+        fwd = 1.0 / rate(forward, 1.0, device=device, repeats=5, min_s=min_s)
+        total = 1.0 / rate(both, 1.0, device=device, repeats=5, min_s=min_s)
+        out[name] = {"fwd": fwd / chain, "bwd": max(total - fwd, 0.0) / chain}
     return out

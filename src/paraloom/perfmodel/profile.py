@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field, replace
 
@@ -14,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from paraloom.errors import UserError
+from paraloom.perfmodel.autocast import Autocast
 from paraloom.perfmodel.specs import build_from_spec
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 
@@ -23,7 +25,7 @@ OP_CLASSES = ("matmul", "conv", "attention", "other")
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # fp32 state tensors per parameter (Adam: m and v)
 PROFILE_BATCHES = (2, 4)  # per-sample values are the slope between these: batch norm needs two samples,
 # and batch-independent terms (parameter reads, batch-norm statistics) drop out of per-sample figures
-KERNELS = ("fwd_kernels", "bwd_kernels")  # counts per step, not per sample
+KERNELS = ("fwd_kernels", "bwd_kernels", "fwd_ops", "bwd_ops")  # counts per step, not per sample
 _ATEN = torch.ops.aten
 _FREE = {_ATEN._unsafe_view, _ATEN.detach, _ATEN.alias, _ATEN.lift_fresh, _ATEN.empty_like,
          _ATEN.new_empty, _ATEN.new_empty_strided}  # no arithmetic, no memory traffic
@@ -47,11 +49,13 @@ class _OpCounter(TorchDispatchMode):
     `torch.utils.flop_counter` (as FlopCounterMode does); any other op counts one FLOP per element it
     writes, a rough figure for ops that are memory bound (their bytes matter more)."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: _Live | None = None) -> None:
         super().__init__()
         self.flops = dict.fromkeys(OP_CLASSES, 0.0)
         self.mem = dict.fromkeys(OP_CLASSES, 0.0)
         self.kernels = 0  # ops that do work: on a GPU, a kernel launch each
+        self.ops = dict.fromkeys(OP_CLASSES, 0)  # the same, by op class
+        self.live = live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,6 +63,8 @@ class _OpCounter(TorchDispatchMode):
         packet = func._overloadpacket
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if self.live is not None:
+            self.live.add(outs)
         if func.is_view or packet in _FREE or not ins or not outs:
             return out
         cls = _op_class(packet)
@@ -68,7 +74,35 @@ class _OpCounter(TorchDispatchMode):
             self.flops[cls] += sum(t.numel() for t in outs if t.is_floating_point())
         self.mem[cls] += sum(_nbytes(t) for t in ins + outs)
         self.kernels += 1
+        self.ops[cls] += 1
         return out
+
+
+class _Live:
+    """The bytes of the storages made since it began that are still alive, and their peak: what a
+    layer's forward and backward hold at once (storages are followed by weak reference)."""
+
+    def __init__(self, shared: set[int]) -> None:
+        self.shared, self.refs, self.peak = shared, {}, 0
+
+    def add(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage._cdata not in self.shared and storage._cdata not in self.refs:
+                self.refs[storage._cdata] = (storage._weak_ref(), storage.nbytes())
+        total = 0
+        for key, (ref, nbytes) in list(self.refs.items()):
+            if torch.UntypedStorage._expired(ref):
+                torch.UntypedStorage._free_weak_ref(ref)
+                del self.refs[key]
+            else:
+                total += nbytes
+        self.peak = max(self.peak, total)
+
+    def close(self) -> None:
+        for ref, _ in self.refs.values():
+            torch.UntypedStorage._free_weak_ref(ref)
+        self.refs.clear()
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -106,6 +140,10 @@ class LayerProfile:
     output_saved_bytes: float = 0.0  # part of activation_bytes that is this layer's own output
     fwd_kernels: int = 0  # ops that do work in forward, whatever the batch (a kernel launch each on a GPU)
     bwd_kernels: int = 0
+    param_tensors: int = 0  # parameter tensors (counted where param_count counts them)
+    fwd_ops: dict[str, int] = field(default_factory=dict)  # fwd_kernels by op class
+    bwd_ops: dict[str, int] = field(default_factory=dict)
+    work_bytes: float = 0.0  # what its forward and backward hold at once beyond what it saves, at the peak
 
 
 @dataclass(frozen=True)
@@ -113,8 +151,8 @@ class ModelProfile:
     """A model's layers plus what a plan needs: parameter, gradient, optimizer and activation bytes."""
 
     spec: str
-    dtype: str  # "fp32", or "fp16"/"bf16" as mixed precision: fp32 master weights (see optimizer_bytes), and
-    # activations as if every op ran in that dtype (autocast keeps a few in fp32; the usual approximation)
+    dtype: str  # "fp32", or "fp16"/"bf16": mixed precision as paraloom trains it, fp32 weights and autocast
+    # (profiled under autocast's own casts: perfmodel/autocast.py); see optimizer_bytes for the memory
     recompute: str  # "none" | "full" (every layer keeps only its input; backward recomputes it)
     layers: tuple[LayerProfile, ...]
     input_bytes: float  # per sample, as loaded (int64 tokens, fp32 images), or the activation a stage gets
@@ -122,6 +160,10 @@ class ModelProfile:
     @property
     def n_params(self) -> int:
         return sum(layer.param_count for layer in self.layers)
+
+    @property
+    def param_tensors(self) -> int:
+        return sum(layer.param_tensors for layer in self.layers)
 
     @property
     def dtype_bytes(self) -> int:
@@ -133,7 +175,8 @@ class ModelProfile:
 
     @property
     def grad_bytes(self) -> float:
-        return float(self.n_params * self.dtype_bytes)
+        """Gradients are fp32 in every dtype: autocast's weights are fp32, and so are their gradients."""
+        return float(self.n_params * 4)
 
     @property
     def output_bytes(self) -> float:
@@ -142,9 +185,10 @@ class ModelProfile:
     def optimizer_bytes(self, optimizer: str = "adam") -> float:
         """Optimizer state: fp32 moments (Adam m and v; momentum's one buffer; none for plain SGD).
 
-        Mixed precision (fp16, bf16) adds an fp32 master copy of the weights: with Adam that is
-        2 + 2 + (4 + 4 + 4) = 16 bytes per parameter with weights and gradients, as in the ZeRO paper
-        (Rajbhandari et al. 2020, section 3.1: K = 12 bytes of optimizer state per parameter).
+        Mixed precision (fp16, bf16) adds the fp32 weights that autocast casts from, so that
+        `param_bytes` is the low-precision copies autocast holds from forward to backward: with Adam
+        2 + 4 (gradients) + (4 + 4 + 4) = 18 bytes per parameter, two more than the ZeRO paper's 16
+        (Rajbhandari et al. 2020, section 3.1), whose fp16 gradients autocast's fp32 weights do not have.
         """
         if optimizer not in OPTIMIZER_STATES:
             raise UserError(f"optimizer {optimizer!r} is not known; choose one of: "
@@ -214,8 +258,12 @@ def _signature(layer: nn.Module, x: torch.Tensor) -> tuple | None:
     return key
 
 
-def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int]) -> tuple[dict, torch.Tensor]:
-    """Run one layer forward and backward on meta; its counts, and its output detached for the next layer."""
+def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int], low: torch.dtype | None = None,
+             loss: bool = False) -> tuple[dict, torch.Tensor]:
+    """Run one layer forward and backward on meta; its counts, and its output detached for the next layer.
+
+    `low`: under autocast to that dtype (the layer's weights fp32). `loss`: the layer ends the model,
+    and its forward and backward include the training loss on its output (see `_loss`)."""
     x = x.detach().requires_grad_(x.requires_grad)
     saved: dict[int, int] = {}
 
@@ -227,16 +275,21 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int]) -> tuple[dict,
 
     for p in layer.parameters():
         p.grad = None  # a gradient left from another run would add an accumulation
-    fwd = _OpCounter()
-    with _FusedAttention(), fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    live = _Live(shared | {x.untyped_storage()._cdata})  # the input is the layer before's
+    fwd = _OpCounter(live)
+    casts = Autocast(low) if low is not None else contextlib.nullcontext()
+    with _FusedAttention(), casts, fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(x)
+        scalar = _loss(out) if loss else None
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    grad_outs = [t for t in outs if t.requires_grad]
+    grad_outs = [t for t in outs if t.requires_grad] if scalar is None else [scalar]
     grads = [torch.empty_like(t) for t in grad_outs]
-    bwd = _OpCounter()
+    live.add(grads)  # the gradient the layer after hands back
+    bwd = _OpCounter(live)
     if grad_outs:
         with bwd:
             torch.autograd.backward(grad_outs, grads)
+    live.close()
     in_key = x.untyped_storage()._cdata
     out_keys = {t.untyped_storage()._cdata for t in outs}
     counts = {"fwd_flops": fwd.flops, "bwd_flops": bwd.flops,
@@ -244,24 +297,39 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int]) -> tuple[dict,
               "activation_bytes": sum(saved.values()), "output_bytes": sum(_nbytes(t) for t in outs),
               "input_saved_bytes": saved.get(in_key, 0),
               "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key),
-              "fwd_kernels": fwd.kernels, "bwd_kernels": bwd.kernels}
+              "fwd_kernels": fwd.kernels, "bwd_kernels": bwd.kernels, "fwd_ops": fwd.ops, "bwd_ops": bwd.ops,
+              "work_bytes": max(0, live.peak - sum(saved.values()))}
     single = out if isinstance(out, torch.Tensor) else None
     return counts, single.detach().requires_grad_(single.requires_grad) if single is not None else out
 
 
-def _run_chain(pieces: list[tuple[str, nn.Module]], x: torch.Tensor, shared: set[int]) -> list[dict]:
+def _loss(out: object) -> torch.Tensor | None:
+    """The loss paraloom trains a model's output with (train/recipe.py): cross-entropy over the last
+    dimension, summed; None for an output that is not a floating tensor of scores (a model's own loss)."""
+    scores = isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() >= 2
+    if not scores or not out.requires_grad:
+        return None
+    flat = out.reshape(-1, out.shape[-1])
+    target = torch.empty(flat.shape[0], dtype=torch.long, device=out.device)
+    return F.cross_entropy(flat, target, reduction="sum")
+
+
+def _run_chain(pieces: list[tuple[str, nn.Module]], x: torch.Tensor, shared: set[int],
+               low: torch.dtype | None = None) -> list[dict]:
     cache: dict[tuple, tuple[dict, tuple]] = {}
     results = []
-    for name, layer in pieces:
+    for index, (name, layer) in enumerate(pieces):
+        last = index == len(pieces) - 1
         if not isinstance(x, torch.Tensor):
             raise UserError(f"piece {name!r} gets a {type(x).__name__}, not a tensor; the profile follows "
                             "one tensor from piece to piece: wrap pieces that pass several in one module")
         key = _signature(layer, x)
+        key = None if key is None else (*key, last)
         if key is not None and key in cache:
             counts, (shape, dtype, grad) = cache[key]
             x = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(grad)
         else:
-            counts, x = _measure(layer, x, shared)
+            counts, x = _measure(layer, x, shared, low, loss=last)
             if key is not None and isinstance(x, torch.Tensor):
                 cache[key] = counts, (tuple(x.shape), x.dtype, x.requires_grad)
         results.append(counts)
@@ -288,7 +356,8 @@ def _pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
 @functools.lru_cache(maxsize=16)
 def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
     model, make_input = build_from_spec(spec, "meta", data)
-    model.to(DTYPES[dtype]).train()
+    model.train()  # fp32 weights: a mixed-precision profile runs under emulated autocast, as training does
+    low = DTYPES[dtype] if dtype != "fp32" else None
     named = _pieces(model)
     shared = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     runs, input_sizes = [], []
@@ -296,7 +365,7 @@ def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
         x = make_input(batch)
         input_sizes.append(_nbytes(x))
         try:
-            runs.append(_run_chain(named, x.to(DTYPES[dtype]) if x.is_floating_point() else x, shared))
+            runs.append(_run_chain(named, x, shared, low))
         except (RuntimeError, NotImplementedError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"model spec {spec!r} cannot run on the meta device ({first}); profiling "
@@ -308,7 +377,8 @@ def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
         params = [p for p in layer.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
         per_sample = {k: _slope(small[k], large[k], db) for k in small if k not in KERNELS}
-        layers.append(LayerProfile(name=name, param_count=sum(p.numel() for p in params), **per_sample,
+        layers.append(LayerProfile(name=name, param_count=sum(p.numel() for p in params),
+                                   param_tensors=len(params), **per_sample,
                                    **{k: large[k] for k in KERNELS}))
     return ModelProfile(spec=spec, dtype=dtype, recompute="none", layers=tuple(layers),
                         input_bytes=(input_sizes[1] - input_sizes[0]) / db)

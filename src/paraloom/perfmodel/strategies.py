@@ -8,6 +8,8 @@ parameter server's consistency modes. Every figure is for one step of `global_ba
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import asdict, dataclass, field
 
 from paraloom.choices import CONSISTENCY, PIPELINE_SCHEDULES, SCHEDULERS
@@ -24,6 +26,7 @@ from paraloom.perfmodel.cpu_cost import (
     tcp_cpu_per_byte,
     unhidden_cpu,
 )
+from paraloom.perfmodel.device_cost import layer_seconds, update_seconds
 from paraloom.perfmodel.hardware import Hardware, Link
 from paraloom.perfmodel.memory import device_memory
 from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
@@ -33,11 +36,6 @@ from paraloom.rules import check_interleaving, check_name, check_parallel_layout
 
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
 PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
-# Bytes an optimizer update reads and writes per parameter (fp32 state): plain SGD reads weight and
-# grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads
-# weight, grad, m, v and writes weight, m, v (28). A fused kernel does it in one pass: memory-bound.
-UPDATE_BYTES = {"sgd": 12.0, "momentum": 20.0, "adam": 28.0}
-LAUNCH = "launch_s"  # a GPU's seconds to issue one kernel (paraloom calibrate --device)
 SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
 
 
@@ -142,7 +140,11 @@ def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[t
             acc += s
         return [*out, (start, n)]
 
-    lo, hi = max(seconds), sum(seconds)
+    if pp == 1:
+        return [(0, n)]
+    # the bound that surely fits, summed as `fill` sums (Python 3.12's sum() compensates its rounding,
+    # and the whole could then come out a last bit below fill's running total: one stage too many)
+    lo, hi = max(seconds), functools.reduce(operator.add, seconds, 0.0)
     for _ in range(60):
         if hi - lo <= 1e-9 * hi:
             break
@@ -156,26 +158,6 @@ def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[t
         cut = min(range(a + 1, b), key=lambda c: max(sum(seconds[a:c]), sum(seconds[c:b])))
         stages[k:k + 1] = [(a, cut), (cut, b)]
     return stages
-
-
-def _layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int) -> float:
-    """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower;
-    and no faster than the host issues the layer's kernels where a GPU profile measured a launch
-    (`launch_s`, from `paraloom calibrate --device`): small layers wait on their launches.
-
-    Megatron tensor parallelism splits the matmul, attention (and convolution) work of a layer
-    tp ways; elementwise work on the replicated activations ("other") is not split.
-    """
-    flops = layer.fwd_flops if phase == "fwd" else layer.bwd_flops
-    moved = layer.fwd_mem_bytes if phase == "fwd" else layer.bwd_mem_bytes
-    total = 0.0
-    for op_class in set(flops) | set(moved):
-        share = 1.0 if op_class == "other" else 1.0 / tp
-        compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)
-        memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
-        total += max(compute, memory)
-    kernels = layer.fwd_kernels if phase == "fwd" else layer.bwd_kernels
-    return max(total, kernels * hw.constants.get(LAUNCH, 0.0))
 
 
 def host_slowdown(hw: Hardware, plan: Plan) -> float:
@@ -254,8 +236,8 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     micro = global_batch / (plan.dp * plan.microbatches)
     slow = host_slowdown(hw, plan)
     dtype = profile.dtype
-    fwd = [_layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp) * slow for layer in profile.layers]
-    bwd = [_layer_seconds(layer, hw, dtype, "bwd", micro, plan.tp) * slow for layer in profile.layers]
+    fwd = [layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp) * slow for layer in profile.layers]
+    bwd = [layer_seconds(layer, hw, dtype, "bwd", micro, plan.tp) * slow for layer in profile.layers]
     if profile.recompute == "full":
         bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
     stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
@@ -286,7 +268,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     # data parallelism: the stage with the most parameters synchronizes the longest
     start, stop = max(stages, key=lambda r: profile.slice(*r).n_params)
     grad_bytes = profile.slice(start, stop).n_params * 4.0 / plan.tp  # gradients reduce in fp32
-    update = UPDATE_BYTES.get(opts.optimizer, 28.0) * grad_bytes / 4.0 / hw.device.mem_bandwidth * slow
+    update = update_seconds(profile.slice(start, stop), hw, plan.tp, opts.optimizer) * slow
     if opts.shard_optimizer:
         update /= plan.dp
     dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
