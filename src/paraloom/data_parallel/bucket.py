@@ -71,14 +71,28 @@ class Bucket:
     def bind(self, slot: int) -> bool:
         """Make parameter `slot`'s gradient the bucket view; True if a gradient had to be copied in."""
         p, view = self.params[slot], self.views[slot]
+        grad = p.grad
+        if grad is view:  # autograd accumulated into the view: nothing to do
+            return False
         copied = False
-        if p.grad is None:
+        if grad is None:
             view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)  # e.g. after zero_grad(set_to_none=True)
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)  # e.g. after zero_grad(set_to_none=True)
             copied = True
         p.grad = view
         return copied
+
+    def bind_all(self) -> None:
+        """Every gradient its bucket view; when all of them are None (after `zero_grad()`), the
+        buffer is zeroed in one kernel instead of one per view."""
+        if all(p.grad is None for p in self.params):
+            self.buffer.zero_()
+            for p, view in zip(self.params, self.views, strict=True):
+                p.grad = view
+        else:
+            for slot in range(len(self.params)):
+                self.bind(slot)
 
     def flatten_params(self) -> None:
         """Move the parameters' values into one flat buffer; each `p.data` becomes a view of it."""

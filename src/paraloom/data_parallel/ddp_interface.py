@@ -66,8 +66,7 @@ class DDPInterface:
         before backward, so autograd accumulates straight into the buckets: no copy per step."""
         for bucket in self.buckets:
             if any(p.grad is None for p in bucket.params):
-                for slot in range(len(bucket.params)):
-                    bucket.bind(slot)
+                bucket.bind_all()
 
     def _refuse_plain_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
         """An optimizer step pre-hook: under updaters that own the update, only the engine steps."""

@@ -153,10 +153,15 @@ class DataParallel(DDPInterface, nn.Module):
             bucket.seen.clear()
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        # once per parameter and backward: nn.Module's __setattr__ costs microseconds (it checks
+        # for parameters and submodules), so state is written only when it changes
         bucket, slot = self._slot[p]
-        self.copies += bucket.bind(slot)
-        self._synced = False
-        self.backward_started = True
+        if bucket.bind(slot):
+            self.copies += 1
+        if self._synced:
+            self._synced = False
+        if not self.backward_started:
+            self.backward_started = True
         plain = self.updater.plain_optimizer_step
         if self._sync and self.reduce_in_backward and plain and not self._end_queued:
             # as DDP: the gradients are averaged by the time backward returns, so a plain
