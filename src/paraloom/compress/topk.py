@@ -117,14 +117,24 @@ class RandomKCompressor:
         self.seed = int(seed)
         self.memory = ErrorFeedback() if error_feedback else None
         self.calls: dict[int, int] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def payload_bytes(self, n: int) -> int:
         return 4 * count_kept(n, self.density)
 
-    def indices(self, n: int, key: int, count: int) -> torch.Tensor:
-        """The k indices for call `count` on bucket `key`: sorted, distinct, identical on every rank."""
-        generator = torch.Generator().manual_seed(shared_seed(self.seed, key, count))
-        return torch.randperm(n, generator=generator)[: count_kept(n, self.density)].sort().values
+    def indices(self, n: int, key: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The k indices for call `count` on bucket `key`: sorted, distinct, identical on every rank.
+
+        Drawn on the gradient's device from a stream seeded by (seed, key, call): on a GPU neither the
+        host's permutation of n (a tenth of a second for a 25 MB bucket, measured on an H200 host)
+        nor a copy to the device stands in the step."""
+        device = torch.device(device)
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+        generator.manual_seed(shared_seed(self.seed, key, count))
+        kept = torch.randperm(n, generator=generator, device=device)[: count_kept(n, self.density)]
+        return kept.sort().values
 
     def compress(self, tensor: torch.Tensor, key: int) -> tuple[torch.Tensor, Any]:
         """(k fp32 values, ctx=(indices, n, dtype, shape)); the unsent residual is kept for `key`."""
@@ -133,7 +143,7 @@ class RandomKCompressor:
         count = self.calls.get(key, 0)
         self.calls[key] = count + 1
         corrected = self.memory.corrected(flat, key) if self.memory is not None else flat
-        indices = self.indices(n, key, count).to(flat.device)
+        indices = self.indices(n, key, count, flat.device)
         values = corrected[indices]
         if self.memory is not None:  # the residual is what was not sent: corrected with the sent zeroed
             self.memory.residual[key] = corrected.index_fill_(0, indices, 0.0)
