@@ -1,0 +1,51 @@
+"""benchmarks/perfmodel_published.py predicts published cases from their setup alone and reports the
+issue's keys; the case file holds what its checks need (citations, splits, the pending list)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from scripts import ROOT, run_script
+
+CASES = ROOT / "benchmarks" / "published_cases.yaml"
+
+
+def test_the_case_file_cites_every_case_and_splits_it():
+    data = yaml.safe_load(CASES.read_text())
+    ids = [case["id"] for case in data["cases"]]
+    assert len(ids) == len(set(ids))
+    for case in data["cases"]:
+        assert case["source"] in data["sources"] and case["split"] in ("fit", "heldout"), case["id"]
+        assert case.get("where"), case["id"]  # the table, row or sentence it comes from
+    heldout = [c for c in data["cases"] if c["split"] == "heldout"]
+    assert len(heldout) >= 15 and len({c["source"] for c in heldout}) >= 4
+    kinds = [c["kind"] for c in heldout]
+    assert kinds.count("gpt-3d") >= 2 and kinds.count("cnn-scaling") >= 2 and "ps-scaling" in kinds
+    assert all(item["why"] for item in data["pending"])
+
+
+def test_a_few_cases_predicted_with_the_summary_keys(tmp_path):
+    out = tmp_path / "p.json"
+    chosen = ["megatron-t1-1.7B", "tf-dgx1-resnet50-8gpu", "goyal-resnet50-8to256", "korthikanti-t5-22B-full"]
+    run_script("perfmodel_published.py", "--json", str(out), "--only", *chosen, timeout=120)
+    report = json.loads(out.read_text())
+    assert sorted(r["id"] for r in report["rows"]) == sorted(chosen)  # in the case file's order
+    summary = report["summary"]
+    for key in ("n_heldout", "heldout_within_15pct", "heldout_median_abs_err", "n_sources"):
+        assert key in summary
+    assert summary["n_sources"] == 4 and summary["n_heldout"] == 1
+    for row in report["rows"]:
+        assert row["predicted"] > 0 and row["error"] == pytest.approx(row["predicted"] / row["measured"] - 1)
+        assert abs(row["error"]) < 1.0, row  # the model is in the published figure's range
+
+
+def test_a_bad_case_is_refused_in_one_line(tmp_path):
+    bad = yaml.safe_load(CASES.read_text())
+    bad["cases"] = [dict(bad["cases"][0], plan={"dp": 2, "warp": 3})]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "perfmodel_published.py"), "--json",
+                           str(tmp_path / "o.json"), "--cases", str(path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "plan fields ['warp'] are not known" in done.stderr
