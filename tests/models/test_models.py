@@ -18,6 +18,8 @@ SMALL = {
     "resnet152": ((1, 8, 8), 10),
     "vgg16": ((1, 8, 8), 10),
     "alexnet": ((1, 8, 8), 10),
+    "googlenet": ((3, 32, 32), 10),  # the smallest images they take
+    "inception_v3": ((3, 75, 75), 10),
     "gpt": ((16,), 256),
 }
 # keeps the real forward passes of the deep models fast on two cores; the shapes do not depend on it
@@ -78,7 +80,8 @@ def test_image_models_take_other_sizes(name, shape):
 
 @pytest.mark.parametrize(("name", "expected"), [("resnet18", 11_689_512), ("resnet50", 25_557_032),
                                                 ("resnet101", 44_549_160), ("resnet152", 60_192_808),
-                                                ("vgg16", 138_357_544), ("alexnet", 61_100_840)])
+                                                ("vgg16", 138_357_544), ("alexnet", 61_100_840),
+                                                ("googlenet", 6_624_904), ("inception_v3", 23_834_568)])
 def test_imagenet_parameter_counts_match_torchvision(name, expected):
     with torch.device("meta"):
         model = build_model(name, (3, 224, 224), 1000)
@@ -195,3 +198,9 @@ def test_llama_style_trains_and_refuses_what_it_cannot_build():
         build_model("gpt", (16,), 256, style="bert")
     with pytest.raises(UserError, match="rotary positions need an even head size"):
         build_model("gpt", (16,), 256, d_model=12, n_heads=4, style="llama")
+
+
+@pytest.mark.parametrize(("name", "smallest"), [("googlenet", 32), ("inception_v3", 75)])
+def test_inception_models_refuse_images_too_small_in_one_line(name, smallest):
+    with pytest.raises(UserError, match=f"at least {smallest}x{smallest}"):
+        build_model(name, (3, smallest - 1, smallest), 10)

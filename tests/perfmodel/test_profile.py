@@ -119,7 +119,8 @@ def test_flops_by_class_match_flop_counter_mode_on_the_whole_model(spec):
     assert counted == counter.get_total_flops() / 2
 
 
-ZOO_SPECS = ["mlp", "cnn", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16", "alexnet", GPT_SMALL,
+ZOO_SPECS = ["mlp", "cnn", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16", "alexnet", "googlenet",
+             "inception_v3", GPT_SMALL,
              "vgg16:input=1x8x8,classes=10,batch_norm=true", "gpt"]
 
 

@@ -8,12 +8,14 @@ from paraloom.errors import UserError
 from paraloom.models.alexnet import AlexNet
 from paraloom.models.cnn import CNN
 from paraloom.models.gpt import GPT
+from paraloom.models.inception import GoogLeNet, InceptionV3
 from paraloom.models.mlp import MLP
 from paraloom.models.resnet import ResNet18, ResNet50, ResNet101, ResNet152
 from paraloom.models.vgg import VGG16
 
 MODELS = {"cnn": CNN, "mlp": MLP, "resnet18": ResNet18, "resnet50": ResNet50,
-          "resnet101": ResNet101, "resnet152": ResNet152, "vgg16": VGG16, "alexnet": AlexNet, "gpt": GPT}
+          "resnet101": ResNet101, "resnet152": ResNet152, "vgg16": VGG16, "alexnet": AlexNet,
+          "googlenet": GoogLeNet, "inception_v3": InceptionV3, "gpt": GPT}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], n_classes: int, **kwargs) -> nn.Module:
@@ -22,5 +24,5 @@ def build_model(name: str, input_shape: tuple[int, ...], n_classes: int, **kwarg
     return MODELS[name](input_shape, n_classes, **kwargs)
 
 
-__all__ = ["CNN", "GPT", "MLP", "MODELS", "AlexNet", "ResNet18", "ResNet50", "ResNet101", "ResNet152",
-           "VGG16", "build_model"]
+__all__ = ["CNN", "GPT", "MLP", "MODELS", "AlexNet", "GoogLeNet", "InceptionV3", "ResNet18", "ResNet50",
+           "ResNet101", "ResNet152", "VGG16", "build_model"]

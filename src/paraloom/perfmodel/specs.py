@@ -25,7 +25,8 @@ ZOO_DEFAULTS: dict[str, tuple[tuple[int, ...], int]] = {
     "cnn": ((1, 8, 8), 10), "mlp": ((1, 8, 8), 10),
     "resnet18": ((3, 224, 224), 1000), "resnet50": ((3, 224, 224), 1000),
     "resnet101": ((3, 224, 224), 1000), "resnet152": ((3, 224, 224), 1000), "vgg16": ((3, 224, 224), 1000),
-    "alexnet": ((3, 224, 224), 1000),
+    "alexnet": ((3, 224, 224), 1000), "googlenet": ((3, 224, 224), 1000),
+    "inception_v3": ((3, 299, 299), 1000),
     "gpt": ((128,), 256),
 }
 GPT_ALIASES = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}  # spec key -> GPT keyword
