@@ -285,3 +285,18 @@ def test_spec_builds_a_real_model_and_input():
     assert model(x).shape == (3, 8, 50)
     model, make_input = build_from_spec("resnet18:input=1x8x8,classes=10,width=8", device="cpu")
     assert model(make_input(2)).shape == (2, 10)
+
+
+def test_the_profile_tells_the_convolutions_winograd_takes():
+    """3x3 stride-1 convolutions, forward and backward: all of VGG-16's, AlexNet's last three (a
+    little over half its convolution FLOPs), the middle one of each ResNet-50 bottleneck."""
+    def share(spec):
+        p = profile_model(spec)
+        return [sum(getattr(layer, f"{phase}_winograd") for layer in p.layers)
+                / sum(getattr(layer, f"{phase}_flops")["conv"] for layer in p.layers)
+                for phase in ("fwd", "bwd")]
+
+    assert share("vgg16") == [1.0, 1.0]
+    assert all(0.5 < s < 0.6 for s in share("alexnet"))
+    assert all(0.3 < s < 0.45 for s in share("resnet50"))
+    assert all(layer.fwd_winograd == 0 for layer in profile_model(GPT_SMALL).layers)

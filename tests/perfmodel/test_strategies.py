@@ -251,3 +251,36 @@ def test_bad_plans_and_batches_are_one_line_errors():
         Plan(tp=2, servers=1)
     plan = Plan(dp=4, tp=2, pp=2, microbatches=8, scheduler="priority")
     assert plan.label() == "dp4 tp2 pp2 m8 1f1b priority"
+
+
+def test_winograd_divides_the_3x3_convolutions_flops_where_the_device_says_and_was_not_measured():
+    from dataclasses import replace
+
+    from paraloom.perfmodel.hardware import load_hardware
+    from paraloom.perfmodel.profile import profile_model
+
+    vgg = profile_model("vgg16")
+    p100 = load_hardware("p100-ib-edr")
+    assert p100.device.winograd == {"fp32": 2.25} and load_hardware("a100-ib-hdr").device.winograd == {}
+    direct = replace(p100, device=replace(p100.device, winograd={}))
+    with_gain, without = (estimate(vgg, hw, Plan(), 8).breakdown["compute"] for hw in (p100, direct))
+    conv = sum(layer.fwd_flops["conv"] + layer.bwd_flops["conv"] for layer in vgg.layers) * 8 \
+        / p100.achieved_flops("fp32", "conv")
+    assert without - with_gain == pytest.approx(conv * (1 - 1 / 2.25), rel=0.02)  # VGG's convs are all 3x3
+    measured = replace(p100, constants={"flops.fp32.conv": p100.achieved_flops("fp32", "conv")})
+    assert estimate(vgg, measured, Plan(), 8).breakdown["compute"] == pytest.approx(without)
+
+
+def test_a_device_mapping_may_give_winograd_factors_and_refuses_ones_below_one():
+    from paraloom.perfmodel.hardware import Hardware
+
+    base = "device: {preset: v100, winograd: {fp32: 4, fp16: 2.25}}\ninter: 100gbe\n"
+    hw = Hardware.from_yaml(base)
+    assert hw.device.winograd == {"fp32": 4.0, "fp16": 2.25}
+    assert Hardware.from_yaml(hw.to_yaml()).device.winograd == hw.device.winograd
+    with pytest.raises(UserError, match="winograd factors must be at least 1"):
+        Hardware.from_yaml("device: {preset: v100, winograd: {fp32: 0.5}}\ninter: 100gbe\n")
+    custom = ("device: {name: x, peak_flops: {fp32: 1e12}, efficiency: {matmul: 1, conv: 1, attention: 1, "
+              "other: 1}, mem_bandwidth: 1e11, mem_capacity: 1e9}\ndevices_per_node: 1\nintra: pcie4\n"
+              "inter: 100gbe\n")
+    assert Hardware.from_yaml(custom).device.winograd == {}

@@ -18,7 +18,8 @@ HOST = "host_s"  # the host's seconds to issue one op, as `host_s.<op class>.<fw
 
 
 def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int) -> float:
-    """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower;
+    """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower,
+    a 3x3 stride-1 convolution's FLOPs divided by the device's Winograd factor for the dtype;
     and no faster than the host issues the layer's ops where a GPU profile measured that (`host_s.*`
     or `launch_s`, from `paraloom calibrate --device`): small layers wait on their host.
 
@@ -28,6 +29,11 @@ def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, t
     flops = layer.fwd_flops if phase == "fwd" else layer.bwd_flops
     moved = layer.fwd_mem_bytes if phase == "fwd" else layer.bwd_mem_bytes
     total = 0.0
+    flops = dict(flops)
+    gain = hw.device.winograd.get(dtype, 1.0)
+    if gain > 1 and f"flops.{dtype}.conv" not in hw.constants:  # a measured rate is cuDNN's own already
+        winograd = layer.fwd_winograd if phase == "fwd" else layer.bwd_winograd
+        flops["conv"] = flops.get("conv", 0.0) - winograd + winograd / gain
     for op_class in set(flops) | set(moved):
         share = 1.0 if op_class == "other" else 1.0 / tp
         compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)

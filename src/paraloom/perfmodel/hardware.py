@@ -16,7 +16,7 @@ import yaml
 from paraloom.errors import UserError
 
 FLOP_DTYPES = ("fp32", "tf32", "fp16", "bf16")
-OP_CLASSES = ("matmul", "conv", "attention", "other")  # as in profile.py (kept here so no torch import)
+OP_CLASSES = ("matmul", "conv", "attention", "other")  # as in op_counter.py (kept here so no torch import)
 UNITS = {  # kind -> unit -> factor to SI, as exact decimals (KiB, MiB... are binary)
     "FLOP/s": {"": "1", "FLOP/s": "1", "GFLOP/s": "1e9", "TFLOP/s": "1e12", "PFLOP/s": "1e15"},
     "bytes/s": {"": "1", "B/s": "1", "KB/s": "1e3", "MB/s": "1e6", "GB/s": "1e9", "TB/s": "1e12",
@@ -64,9 +64,17 @@ class Device:
     efficiency: dict[str, float]  # achieved fraction of peak by op class: matmul, conv, attention, other
     mem_bandwidth: float  # bytes/s
     mem_capacity: float  # bytes
+    # per dtype, how many times fewer multiplies the device's convolution library needs for a 3x3
+    # stride-1 convolution (Winograd's algorithm) than its direct FLOPs; absent: direct convolution
+    winograd: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
+        _fields(self.winograd, FLOP_DTYPES, f"{where} winograd")
+        gains = {k: _quantity(v, "number", f"{where} winograd.{k}") for k, v in self.winograd.items()}
+        if any(v < 1 for v in gains.values()):
+            raise UserError(f"{where} winograd factors must be at least 1 (the FLOPs are divided by them)")
+        object.__setattr__(self, "winograd", gains)
         _fields(self.peak_flops, FLOP_DTYPES, f"{where} peak_flops")
         if "fp32" not in self.peak_flops:
             raise UserError(f"{where} peak_flops needs an fp32 entry")
@@ -166,7 +174,8 @@ class Hardware:
         return _hardware(parse_yaml(text, source), source)
 
 
-DEVICE_FIELDS = ("name", "peak_flops", "efficiency", "mem_bandwidth", "mem_capacity")
+DEVICE_FIELDS = ("name", "peak_flops", "efficiency", "mem_bandwidth", "mem_capacity", "winograd")
+OPTIONAL_FIELDS = {"winograd": dict}  # a device mapping may leave these out
 LINK_FIELDS = ("name", "bandwidth", "latency")
 
 
@@ -221,6 +230,9 @@ def _from_preset(raw: Any, where: str, cls: type, fields: tuple[str, ...], prese
     base = preset(raw.pop("preset")) if "preset" in raw else None
     values = {k: getattr(base, k) for k in fields} if base else {"name": default_name}
     values.update(raw)
+    for key, default in OPTIONAL_FIELDS.items():
+        if key in fields:
+            values.setdefault(key, default())
     missing = [k for k in fields if k not in values]
     if missing:
         raise UserError(f"{where} needs {', '.join(missing)} (or preset: {', '.join(names)})")

@@ -9,120 +9,20 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from paraloom.errors import UserError
 from paraloom.perfmodel.autocast import Autocast
+from paraloom.perfmodel.op_counter import OP_CLASSES, FusedAttention, Live, OpCounter, nbytes
 from paraloom.perfmodel.specs import build_from_spec
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 RECOMPUTE = ("none", "full")
-OP_CLASSES = ("matmul", "conv", "attention", "other")
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # fp32 state tensors per parameter (Adam: m and v)
 PROFILE_BATCHES = (2, 4)  # per-sample values are the slope between these: batch norm needs two samples,
 # and batch-independent terms (parameter reads, batch-norm statistics) drop out of per-sample figures
 KERNELS = ("fwd_kernels", "bwd_kernels", "fwd_ops", "bwd_ops")  # counts per step, not per sample
-_ATEN = torch.ops.aten
-_FREE = {_ATEN._unsafe_view, _ATEN.detach, _ATEN.alias, _ATEN.lift_fresh, _ATEN.empty_like,
-         _ATEN.new_empty, _ATEN.new_empty_strided}  # no arithmetic, no memory traffic
-_COPIES = {_ATEN._to_copy, _ATEN.clone, _ATEN.copy_, _ATEN.zeros_like, _ATEN.ones_like, _ATEN.full_like,
-           _ATEN.fill_, _ATEN.zero_, _ATEN.new_zeros, _ATEN.new_ones, _ATEN.new_full}  # traffic, no FLOPs
-
-
-def _op_class(packet: object) -> str:
-    if packet not in flop_registry:
-        return "other"
-    name = str(packet)
-    return "conv" if "conv" in name else "attention" if "attention" in name else "matmul"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())  # expanded views read less
-
-
-class _OpCounter(TorchDispatchMode):
-    """FLOPs and bytes read + written, by op class; matmul, conv and attention FLOPs use the formulas of
-    `torch.utils.flop_counter` (as FlopCounterMode does); any other op counts one FLOP per element it
-    writes, a rough figure for ops that are memory bound (their bytes matter more)."""
-
-    def __init__(self, live: _Live | None = None) -> None:
-        super().__init__()
-        self.flops = dict.fromkeys(OP_CLASSES, 0.0)
-        self.mem = dict.fromkeys(OP_CLASSES, 0.0)
-        self.kernels = 0  # ops that do work: on a GPU, a kernel launch each
-        self.ops = dict.fromkeys(OP_CLASSES, 0)  # the same, by op class
-        self.live = live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if self.live is not None:
-            self.live.add(outs)
-        if func.is_view or packet in _FREE or not ins or not outs:
-            return out
-        cls = _op_class(packet)
-        if cls != "other":
-            self.flops[cls] += flop_registry[packet](*args, **kwargs, out_val=out)
-        elif packet not in _COPIES:
-            self.flops[cls] += sum(t.numel() for t in outs if t.is_floating_point())
-        self.mem[cls] += sum(_nbytes(t) for t in ins + outs)
-        self.kernels += 1
-        self.ops[cls] += 1
-        return out
-
-
-class _Live:
-    """The bytes of the storages made since it began that are still alive, and their peak: what a
-    layer's forward and backward hold at once (storages are followed by weak reference)."""
-
-    def __init__(self, shared: set[int]) -> None:
-        self.shared, self.refs, self.peak = shared, {}, 0
-
-    def add(self, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage._cdata not in self.shared and storage._cdata not in self.refs:
-                self.refs[storage._cdata] = (storage._weak_ref(), storage.nbytes())
-        total = 0
-        for key, (ref, nbytes) in list(self.refs.items()):
-            if torch.UntypedStorage._expired(ref):
-                torch.UntypedStorage._free_weak_ref(ref)
-                del self.refs[key]
-            else:
-                total += nbytes
-        self.peak = max(self.peak, total)
-
-    def close(self) -> None:
-        for ref, _ in self.refs.values():
-            torch.UntypedStorage._free_weak_ref(ref)
-        self.refs.clear()
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Runs scaled_dot_product_attention as the fused flash kernel that CUDA and CPU pick (meta would take
-    the math path, which saves the T x T scores); a mask or grouped heads keep the original call."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v, *rest = args
-            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-            opts = dict(zip(names, rest, strict=False), **kwargs)
-            if (opts.get("attn_mask") is None and not opts.get("enable_gqa") and q.dim() == 4
-                    and q.shape == k.shape == v.shape):
-                return _ATEN._scaled_dot_product_flash_attention(
-                    q, k, v, opts.get("dropout_p", 0.0), opts.get("is_causal", False),
-                    scale=opts.get("scale"))[0]
-        return func(*args, **kwargs)
-
-
 @dataclass(frozen=True)
 class LayerProfile:
     """One top-level piece (a pipeline stage holds a contiguous run of them); figures are per sample."""
@@ -144,6 +44,8 @@ class LayerProfile:
     fwd_ops: dict[str, int] = field(default_factory=dict)  # fwd_kernels by op class
     bwd_ops: dict[str, int] = field(default_factory=dict)
     work_bytes: float = 0.0  # what its forward and backward hold at once beyond what it saves, at the peak
+    fwd_winograd: float = 0.0  # the part of fwd_flops["conv"] in 3x3 stride-1 convolutions
+    bwd_winograd: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -275,17 +177,17 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int], low: torch.dty
 
     for p in layer.parameters():
         p.grad = None  # a gradient left from another run would add an accumulation
-    live = _Live(shared | {x.untyped_storage()._cdata})  # the input is the layer before's
-    fwd = _OpCounter(live)
+    live = Live(shared | {x.untyped_storage()._cdata})  # the input is the layer before's
+    fwd = OpCounter(live)
     casts = Autocast(low) if low is not None else contextlib.nullcontext()
-    with _FusedAttention(), casts, fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with FusedAttention(), casts, fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(x)
         scalar = _loss(out) if loss else None
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     grad_outs = [t for t in outs if t.requires_grad] if scalar is None else [scalar]
     grads = [torch.empty_like(t) for t in grad_outs]
     live.add(grads)  # the gradient the layer after hands back
-    bwd = _OpCounter(live)
+    bwd = OpCounter(live)
     if grad_outs:
         with bwd:
             torch.autograd.backward(grad_outs, grads)
@@ -294,10 +196,11 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int], low: torch.dty
     out_keys = {t.untyped_storage()._cdata for t in outs}
     counts = {"fwd_flops": fwd.flops, "bwd_flops": bwd.flops,
               "fwd_mem_bytes": fwd.mem, "bwd_mem_bytes": bwd.mem,
-              "activation_bytes": sum(saved.values()), "output_bytes": sum(_nbytes(t) for t in outs),
+              "activation_bytes": sum(saved.values()), "output_bytes": sum(nbytes(t) for t in outs),
               "input_saved_bytes": saved.get(in_key, 0),
               "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key),
               "fwd_kernels": fwd.kernels, "bwd_kernels": bwd.kernels, "fwd_ops": fwd.ops, "bwd_ops": bwd.ops,
+              "fwd_winograd": fwd.winograd, "bwd_winograd": bwd.winograd,
               "work_bytes": max(0, live.peak - sum(saved.values()))}
     single = out if isinstance(out, torch.Tensor) else None
     return counts, single.detach().requires_grad_(single.requires_grad) if single is not None else out
@@ -363,7 +266,7 @@ def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
     runs, input_sizes = [], []
     for batch in PROFILE_BATCHES:
         x = make_input(batch)
-        input_sizes.append(_nbytes(x))
+        input_sizes.append(nbytes(x))
         try:
             runs.append(_run_chain(named, x, shared, low))
         except (RuntimeError, NotImplementedError) as exc:
