@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # ---- what is trained
 MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16",
-          "alexnet", "googlenet", "inception_v3")  # paraloom.models
+          "alexnet", "googlenet", "inception_v3", "bert")  # paraloom.models
 DATASETS = ("digits", "synthetic", "text")  # paraloom.data; text: the stdlib's source bytes
 OPTIMIZERS = ("adam", "adamw", "sgd", "lars", "lamb")  # the usual; optim.name takes any torch.optim class
 LR_SCHEDULES = ("constant", "cosine", "linear", "step")  # after optim.warmup_steps of linear warm-up

@@ -193,9 +193,9 @@ def check_model_data(model: str, data: str) -> None:
     if model == "cnn" and data == "synthetic":
         raise UserError("model.name=cnn needs image data; data.name=synthetic gives vectors: "
                         "use model.name=mlp")
-    if (model == "gpt") != (data == "text"):
+    if (model in ("gpt", "bert")) != (data == "text"):
         raise UserError(f"model.name={model} cannot train on data.name={data}: "
-                        "the gpt reads data.name=text, and only the gpt does")
+                        "the gpt and the bert read data.name=text, and only they do")
 
 
 def check_batch_split(*, batch_size: int, dp: int, microbatches: int, model_parallel: bool) -> None:

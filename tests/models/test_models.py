@@ -21,6 +21,7 @@ SMALL = {
     "googlenet": ((3, 32, 32), 10),  # the smallest images they take
     "inception_v3": ((3, 75, 75), 10),
     "gpt": ((16,), 256),
+    "bert": ((16,), 256),
 }
 # keeps the real forward passes of the deep models fast on two cores; the shapes do not depend on it
 NARROW = {"width": 8, "fc_width": 16, "n_layers": 2, "d_model": 32, "n_heads": 4}
@@ -32,14 +33,14 @@ def _n_params(model: nn.Module) -> int:
 
 def _small_input(name: str) -> torch.Tensor:
     shape, n_classes = SMALL[name]
-    if name == "gpt":
+    if name in ("gpt", "bert"):
         return torch.randint(0, n_classes, (2, *shape))
     return torch.randn(2, *shape)
 
 
 def _expected_shape(name: str) -> tuple[int, ...]:
     shape, n_classes = SMALL[name]
-    return (2, shape[0], n_classes) if name == "gpt" else (2, n_classes)
+    return (2, shape[0], n_classes) if name in ("gpt", "bert") else (2, n_classes)
 
 
 def test_every_model_is_covered():
@@ -204,3 +205,34 @@ def test_llama_style_trains_and_refuses_what_it_cannot_build():
 def test_inception_models_refuse_images_too_small_in_one_line(name, smallest):
     with pytest.raises(UserError, match=f"at least {smallest}x{smallest}"):
         build_model(name, (3, smallest - 1, smallest), 10)
+
+
+def test_bert_large_has_its_published_shape_and_count():
+    """BERT-large (24 layers, 1024 wide, 16 heads, 512 positions, 30,522 tokens) with its masked-LM head:
+    the encoder and pooler's 335,141,888 less the pooler (1,049,600) plus the head's transform, norm and
+    bias (1,082,170); the decoder is the token embedding itself."""
+    with torch.device("meta"):
+        model = build_model("bert", (512,), 30522, n_layers=24, d_model=1024, n_heads=16)
+        y = model(torch.zeros(2, 512, dtype=torch.long))
+    assert _n_params(model) == 335_141_888 - 1_049_600 + 1_082_170
+    assert tuple(y.shape) == (2, 512, 30522)
+    assert model[-1].embedding.weight is model[0].tok.weight
+
+
+def test_the_bert_sees_the_whole_sequence():
+    """An encoder: changing the last token changes the first position's logits (a gpt's would not)."""
+    torch.manual_seed(0)
+    model = build_model("bert", (8,), 20, n_layers=1, d_model=16, n_heads=2)
+    x = torch.randint(0, 20, (1, 8))
+    y = x.clone()
+    y[0, -1] = (x[0, -1] + 1) % 20
+    assert not torch.allclose(model(x)[0, 0], model(y)[0, 0])
+
+
+def test_the_bert_starts_from_berts_initialisation():
+    torch.manual_seed(0)
+    model = build_model("bert", (16,), 256, n_layers=2, d_model=64, n_heads=4)
+    assert model[0].tok.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert all(float(m.bias.abs().max()) == 0 for m in model.modules() if isinstance(m, nn.Linear))
+    loss = F.cross_entropy(model(torch.randint(0, 256, (4, 16))).flatten(0, 1), torch.randint(0, 256, (64,)))
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.05)  # uniform at start

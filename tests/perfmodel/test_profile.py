@@ -120,7 +120,7 @@ def test_flops_by_class_match_flop_counter_mode_on_the_whole_model(spec):
 
 
 ZOO_SPECS = ["mlp", "cnn", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16", "alexnet", "googlenet",
-             "inception_v3", GPT_SMALL,
+             "inception_v3", GPT_SMALL, "bert:layers=2,hidden=64,heads=4,seq=32,vocab=256",
              "vgg16:input=1x8x8,classes=10,batch_norm=true", "gpt"]
 
 

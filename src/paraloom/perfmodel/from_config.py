@@ -24,9 +24,9 @@ def spec_of(cfg: Config) -> str:
     from paraloom.data import load_dataset
     from paraloom.models import MODELS
 
-    if cfg.model.name == "gpt":
+    if cfg.model.name in ("gpt", "bert"):
         m = cfg.model
-        return (f"gpt:layers={m.n_layers},hidden={m.d_model},heads={m.n_heads},"
+        return (f"{m.name}:layers={m.n_layers},hidden={m.d_model},heads={m.n_heads},"
                 f"seq={cfg.data.seq_len},vocab=256")
     data = dataclasses.asdict(cfg.data)
     split = load_dataset(data.pop("name"), **data)

@@ -168,7 +168,7 @@ def _zoo_sections(model: str, global_batch: int, notes: list[str]) -> tuple[dict
     args = parse_args(model, args_text)
     model_cfg: dict[str, Any] = {"name": name}
     data: dict[str, Any] = {"batch_size": global_batch}
-    if name == "gpt":
+    if name in ("gpt", "bert"):
         model_cfg.update({GPT_KEYS[k]: v for k, v in args.items() if k in GPT_KEYS})
         data.update({"name": "text", "seq_len": args.get("seq", 128)})
         if args.get("vocab", 256) != 256:

@@ -27,10 +27,12 @@ ZOO_DEFAULTS: dict[str, tuple[tuple[int, ...], int]] = {
     "resnet101": ((3, 224, 224), 1000), "resnet152": ((3, 224, 224), 1000), "vgg16": ((3, 224, 224), 1000),
     "alexnet": ((3, 224, 224), 1000), "googlenet": ((3, 224, 224), 1000),
     "inception_v3": ((3, 299, 299), 1000),
-    "gpt": ((128,), 256),
+    "gpt": ((128,), 256), "bert": ((128,), 256),
 }
+TOKEN_MODELS = ("gpt", "bert")  # they take token ids, and the gpt's spec keys
 GPT_ALIASES = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}  # spec key -> GPT keyword
-SHAPE_KEYS = {"gpt": ("seq", "vocab")}  # per model: keys for (input shape, classes); others: input, classes
+# per model: keys for (input shape, classes); others: input, classes
+SHAPE_KEYS = {"gpt": ("seq", "vocab"), "bert": ("seq", "vocab")}
 MAX_LAYERS = 4096  # deeper zoo specs are refused before anything is built
 NOT_IN_SPEC = {"recompute": "give recompute as the profile option (recompute='full'), not in the spec"}
 
@@ -98,7 +100,7 @@ def _zoo(spec: str, name: str, args: dict[str, Any], device: torch.device) -> tu
     cls = MODELS[name]
     shape, n_classes = ZOO_DEFAULTS.get(name, ((3, 224, 224), 1000))
     shape_key, classes_key = SHAPE_KEYS.get(name, ("input", "classes"))
-    aliases = GPT_ALIASES if name == "gpt" else {}
+    aliases = GPT_ALIASES if name in TOKEN_MODELS else {}
     keywords = _keywords(cls)
     valid = [shape_key, classes_key, *aliases, *keywords]
     kwargs: dict[str, Any] = {}
@@ -123,7 +125,7 @@ def _zoo(spec: str, name: str, args: dict[str, Any], device: torch.device) -> tu
                             "the planner profiles (the deepest published models have a few hundred)")
     with device:
         model = cls(shape, n_classes, **kwargs)
-    if name == "gpt":
+    if name in TOKEN_MODELS:
         return model, lambda batch: torch.randint(0, n_classes, (batch, *shape), device=device)
     return model, lambda batch: torch.randn(batch, *shape, device=device)
 
