@@ -181,3 +181,17 @@ def test_sparse_settings_refused(overrides, message):
 def test_interleaving_is_checked_in_one_line(overrides, message):
     with pytest.raises(UserError, match=message):
         load_config(None, overrides)
+
+
+def test_recompute_takes_its_three_modes_and_the_old_booleans():
+    def model(*overrides):
+        return load_config(None, ["model.name=gpt", "data.name=text", *overrides]).model
+
+    assert model().recompute == "none" and model().attention == "sdpa"
+    assert model("model.recompute=selective", "model.attention=math").recompute == "selective"
+    assert model("model.recompute=true").recompute == "full"
+    assert model("model.recompute=false").recompute == "none"
+    with pytest.raises(UserError, match="model.recompute"):
+        model("model.recompute=some")
+    with pytest.raises(UserError, match="model.attention"):
+        model("model.attention=flash")

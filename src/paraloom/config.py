@@ -66,13 +66,18 @@ class ModelConfig:
     n_layers: int = 4  # gpt: transformer blocks
     d_model: int = 128  # gpt: hidden size
     n_heads: int = 4  # gpt: attention heads (divides d_model; tensor parallelism splits them)
-    recompute: bool = False  # gpt: recompute each block's activations in backward (saves memory)
+    # gpt: recompute in backward instead of saving: none, selective (the attention core), full (each
+    # block); true and false still read as full and none
+    recompute: bool | str = _one_of("none", "selective", "full", default="none")
+    attention: str = _one_of("sdpa", "math", default="sdpa")  # gpt: fused kernel, or T x T scores in memory
     options: dict[str, Any] = _options()  # keyword arguments of the model (zoo class or user factory)
     tp_plan: dict[str, Any] | None = None  # module-name pattern -> colwise/rowwise/vocab/replicate (README)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "depth", "channels", "n_layers", "d_model", "n_heads"):
             _positive(self, key)
+        if isinstance(self.recompute, bool):
+            self.recompute = "full" if self.recompute else "none"
 
 
 @dataclass(kw_only=True)

@@ -119,10 +119,11 @@ def test_vgg_skips_pools_below_one_pixel_and_narrows_classifier():
     assert [m.out_features for m in imagenet.modules() if isinstance(m, nn.Linear)] == [4096, 4096, 10]
 
 
-def _gpt_step(recompute: bool):
+def _gpt_step(recompute: bool | str, attention: str = "sdpa", seq: int = 16):
     torch.manual_seed(0)
-    model = build_model("gpt", (16,), 256, n_layers=2, d_model=32, n_heads=4, recompute=recompute)
-    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = build_model("gpt", (seq,), 256, n_layers=2, d_model=32, n_heads=4, recompute=recompute,
+                        attention=attention)
+    x = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(1))
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -141,6 +142,37 @@ def test_gpt_recompute_gives_same_loss_and_gradients_with_fewer_saved_bytes():
     torch.testing.assert_close(loss_rc, loss)
     torch.testing.assert_close(grads_rc, grads)
     assert saved_rc < saved / 2
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_selective_recompute_gives_the_same_step_and_with_math_attention_saves_the_scores(attention):
+    """Selective recomputation (the attention core alone, Korthikanti et al. 2022) changes nothing a
+    step computes; it saves the T x T scores and probabilities where the math path keeps them, and
+    next to nothing with the fused kernel, which keeps none."""
+    loss, grads, saved = _gpt_step("none", attention, seq=64)
+    loss_sel, grads_sel, saved_sel = _gpt_step("selective", attention, seq=64)
+    torch.testing.assert_close(loss_sel, loss, rtol=0, atol=0)
+    torch.testing.assert_close(grads_sel, grads, rtol=0, atol=0)
+    scores = 2 * 2 * 4 * 64 * 64 * 4  # probabilities and masked scores: 2 layers x batch 2 x 4 heads, fp32
+    if attention == "math":
+        assert saved - saved_sel >= scores
+    else:
+        assert saved - saved_sel < scores / 4
+    assert _gpt_step(True, attention, seq=64)[2] == _gpt_step("full", attention, seq=64)[2]  # true is full
+
+
+def test_math_attention_equals_the_fused_kernel():
+    loss, grads, _ = _gpt_step("none", "sdpa")
+    loss_math, grads_math, _ = _gpt_step("none", "math")
+    torch.testing.assert_close(loss_math, loss)
+    torch.testing.assert_close(grads_math, grads, atol=1e-6, rtol=1e-4)
+
+
+def test_gpt_refuses_unknown_recompute_and_attention_in_one_line():
+    with pytest.raises(UserError, match="recompute='some' is not known; choose one of: none, selective"):
+        build_model("gpt", (16,), 256, recompute="some")
+    with pytest.raises(UserError, match="attention='flash' is not known; choose one of: sdpa, math"):
+        build_model("gpt", (16,), 256, attention="flash")
 
 
 def test_gpt_rejects_images():

@@ -300,3 +300,22 @@ def test_the_profile_tells_the_convolutions_winograd_takes():
     assert all(0.5 < s < 0.6 for s in share("alexnet"))
     assert all(0.3 < s < 0.45 for s in share("resnet50"))
     assert all(layer.fwd_winograd == 0 for layer in profile_model(GPT_SMALL).layers)
+
+
+def test_selective_recompute_is_profiled_as_the_model_runs_it():
+    """The profile builds the gpt with its attention core recomputed: backward repeats the core's
+    forward, and memory keeps no T x T scores with the math path and about the same with the
+    fused kernel (which keeps none to begin with)."""
+    spec = "gpt:layers=2,hidden=64,heads=4,seq=128,vocab=256,attention={}"
+    math_none, math_sel = (profile_model(spec.format("math"), recompute=r) for r in ("none", "selective"))
+    sdpa_none, sdpa_sel = (profile_model(spec.format("sdpa"), recompute=r) for r in ("none", "selective"))
+    scores = 2 * 4 * 128 * 128 * 4  # the probabilities the two layers save per sample (4 heads, fp32)
+    assert math_none.activation_bytes() - math_sel.activation_bytes() >= scores
+    fused = sdpa_none.activation_bytes()
+    assert abs(fused - sdpa_sel.activation_bytes()) < 0.05 * fused
+    attention = sdpa_none.flops_by_class("fwd")["attention"]
+    assert sdpa_sel.flops_by_class("bwd")["attention"] == pytest.approx(
+        sdpa_none.flops_by_class("bwd")["attention"] + attention)
+    assert sdpa_sel.recompute_flops() == 0  # inside backward's own count, not added again
+    with pytest.raises(UserError, match="recomputes a transformer's attention core"):
+        profile_model("mlp", recompute="selective")

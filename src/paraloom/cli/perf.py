@@ -26,7 +26,8 @@ def plan(
     ] = None,
     global_batch: Annotated[int, typer.Option(help="samples per optimizer step")] = 256,
     dtype: Annotated[str, typer.Option(help="fp32, fp16 or bf16 (mixed precision)")] = "fp32",
-    recompute: Annotated[str, typer.Option(help="activation recomputation: none or full")] = "none",
+    recompute: Annotated[str, typer.Option(help="activation recomputation: none, selective (the attention "
+                                           "core) or full")] = "none",
     optimizer: Annotated[str, typer.Option(help="adam, momentum or sgd (optimizer state)")] = "adam",
     plan_: Annotated[str | None, typer.Option(
         "--plan", metavar="dp=..,tp=..,pp=..,microbatches=..",

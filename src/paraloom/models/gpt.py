@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -39,6 +40,16 @@ TP_PLAN: dict[str, Any] = {
 # Llama: the MLP's gate and up projections are stacked in one weight: each rank keeps its rows of both
 LLAMA_TP_PLAN: dict[str, Any] = {**TP_PLAN, "*.mlp.fc": {"style": "colwise", "fused": 2}}
 STYLES = ("gpt", "llama")
+ATTENTIONS = ("sdpa", "math")  # model.attention
+RECOMPUTE = ("none", "selective", "full")  # model.recompute (true and false still read as full and none)
+
+
+def recompute_mode(value: bool | str) -> str:
+    """`model.recompute` as one of RECOMPUTE: true is full, false none."""
+    mode = {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
+    if mode not in RECOMPUTE:
+        raise UserError(f"the gpt's recompute={value!r} is not known; choose one of: {', '.join(RECOMPUTE)}")
+    return mode
 
 
 class Embedding(nn.Module):
@@ -65,21 +76,48 @@ def rotate(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention; `n_heads` is the number of heads this module computes."""
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention with its T x T scores and probabilities made in memory, as Megatron computed it
+    before fused kernels (what selective recomputation was made for)."""
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1) @ v
 
-    def __init__(self, d_model: int, n_heads: int, *, rotary: bool = False, bias: bool = True) -> None:
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; `n_heads` is the number of heads this module computes.
+
+    `attention="sdpa"` runs torch's fused kernel (which keeps no T x T scores), `"math"` spells it out
+    (`math_attention`). With `selective`, the core (from q, k and v to the heads' outputs) is
+    recomputed in backward instead of saved: Korthikanti et al. 2022's selective recomputation."""
+
+    def __init__(self, d_model: int, n_heads: int, *, rotary: bool = False, bias: bool = True,
+                 attention: str = "sdpa", selective: bool = False) -> None:
         super().__init__()
+        if attention not in ATTENTIONS:
+            raise UserError(f"the gpt's attention={attention!r} is not known; choose one of: "
+                            f"{', '.join(ATTENTIONS)}")
         self.n_heads, self.head_dim, self.rotary = n_heads, d_model // n_heads, rotary
+        self.attention, self.selective = attention, selective
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.attention == "math":
+            return math_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.rotary:
             q, k = rotate(q), rotate(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.selective and self.training and torch.is_grad_enabled():
+            # looked up on its module at the call, so the planner's profile can run it its way
+            y = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
+        else:
+            y = self._core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -100,17 +138,21 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; with `recompute` its activations are recomputed in backward."""
+    """Pre-norm transformer block; with `recompute` ("full", or True) its activations are recomputed
+    in backward, with "selective" its attention core alone."""
 
-    def __init__(self, d_model: int, n_heads: int, *, recompute: bool = False, style: str = "gpt",
-                 ffn: int | None = None) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, recompute: bool | str = False, style: str = "gpt",
+                 ffn: int | None = None, attention: str = "sdpa") -> None:
         super().__init__()
         llama = style == "llama"
+        mode = recompute_mode(recompute)
         norm = (lambda: nn.RMSNorm(d_model, eps=1e-5)) if llama else (lambda: nn.LayerNorm(d_model))
-        self.ln1, self.attn = norm(), Attention(d_model, n_heads, rotary=llama, bias=not llama)
+        self.ln1 = norm()
+        self.attn = Attention(d_model, n_heads, rotary=llama, bias=not llama, attention=attention,
+                              selective=mode == "selective")
         self.ln2 = norm()
         self.mlp = FeedForward(d_model, ffn or 4 * d_model, gated=llama, bias=not llama)
-        self.recompute = recompute
+        self.recompute = mode == "full"
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -141,14 +183,14 @@ def llama_ffn(d_model: int, multiple_of: int = 256) -> int:
 
 
 class GPT(nn.Sequential):
-    """`GPT((seq_len,), vocab_size, n_layers=, d_model=, n_heads=, recompute=, style=, ffn=)`: logits
-    (B, T, vocab)."""
+    """`GPT((seq_len,), vocab_size, n_layers=, d_model=, n_heads=, recompute=, style=, ffn=, attention=)`:
+    logits (B, T, vocab)."""
 
     tp_plan: ClassVar[dict[str, Any]] = TP_PLAN
 
     def __init__(self, input_shape: tuple[int, ...], n_classes: int = 256, *, n_layers: int = 4,
-                 d_model: int = 128, n_heads: int = 4, recompute: bool = False, style: str = "gpt",
-                 ffn: int = 0, **_: object) -> None:
+                 d_model: int = 128, n_heads: int = 4, recompute: bool | str = False, style: str = "gpt",
+                 ffn: int = 0, attention: str = "sdpa", **_: object) -> None:
         if len(input_shape) != 1:
             raise UserError(f"the gpt needs token sequences shaped (seq_len,), got {input_shape}: "
                             "use data.name=text")
@@ -164,8 +206,8 @@ class GPT(nn.Sequential):
                             f"is {d_model // n_heads}")
         width = ffn or (llama_ffn(d_model) if llama else 4 * d_model)
         super().__init__(Embedding(n_classes, input_shape[0], d_model, rotary=llama),
-                         *(Block(d_model, n_heads, recompute=recompute, style=style, ffn=width)
-                           for _ in range(n_layers)),
+                         *(Block(d_model, n_heads, recompute=recompute, style=style, ffn=width,
+                                 attention=attention) for _ in range(n_layers)),
                          Head(d_model, n_classes, rms=llama))
         if llama:
             self.tp_plan = LLAMA_TP_PLAN

@@ -51,5 +51,5 @@ def predictable(cfg: Config, world: int) -> Predictable:
                       partition_mb=comm.partition_mb, credit_mb=comm.credit_mb,
                       ps_partition_mb=cfg.ps.partition_mb, shard_optimizer=comm.shard_optimizer,
                       guard=cfg.guard.nan)
-    recompute = "full" if cfg.model.name == "gpt" and cfg.model.recompute else "none"
+    recompute = cfg.model.recompute if cfg.model.name == "gpt" else "none"
     return Predictable(spec_of(cfg), recompute, plan, cfg.data.batch_size, options)

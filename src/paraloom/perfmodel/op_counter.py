@@ -101,6 +101,11 @@ class Live:
                 total += nbytes
         self.peak = max(self.peak, total)
 
+    def alive(self, leaving_out: set[int] = frozenset()) -> int:
+        """Bytes of the followed storages still alive now, but those `leaving_out` names."""
+        return sum(nbytes for key, (ref, nbytes) in self.refs.items()
+                   if key not in leaving_out and not torch.UntypedStorage._expired(ref))
+
     def close(self) -> None:
         for ref, _ in self.refs.values():
             torch.UntypedStorage._free_weak_ref(ref)

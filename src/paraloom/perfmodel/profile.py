@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -18,7 +19,7 @@ from paraloom.perfmodel.specs import build_from_spec
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # fp32 state tensors per parameter (Adam: m and v)
 PROFILE_BATCHES = (2, 4)  # per-sample values are the slope between these: batch norm needs two samples,
 # and batch-independent terms (parameter reads, batch-norm statistics) drop out of per-sample figures
@@ -44,6 +45,8 @@ class LayerProfile:
     fwd_ops: dict[str, int] = field(default_factory=dict)  # fwd_kernels by op class
     bwd_ops: dict[str, int] = field(default_factory=dict)
     work_bytes: float = 0.0  # what its forward and backward hold at once beyond what it saves, at the peak
+    held_bytes: float = 0.0  # what its forward leaves alive for backward: saved tensors, and the inputs a
+    # checkpointed part (selective recomputation) keeps to recompute from (activation_bytes misses those)
     fwd_winograd: float = 0.0  # the part of fwd_flops["conv"] in 3x3 stride-1 convolutions
     bwd_winograd: float = 0.0
 
@@ -102,7 +105,7 @@ class ModelProfile:
         """Per-sample FLOPs by op class for "fwd", "bwd" or "recompute" (forward again if recompute=full)."""
         if phase not in ("fwd", "bwd", "recompute"):
             raise UserError(f"phase {phase!r} is not known; choose fwd, bwd or recompute")
-        if phase == "recompute" and self.recompute == "none":
+        if phase == "recompute" and self.recompute != "full":  # selective's recomputation is in bwd
             return dict.fromkeys(OP_CLASSES, 0.0)
         attr = "bwd_flops" if phase == "bwd" else "fwd_flops"
         return {c: sum(getattr(layer, attr).get(c, 0.0) for layer in self.layers) for c in OP_CLASSES}
@@ -120,6 +123,9 @@ class ModelProfile:
         """Bytes saved for backward per sample; full recompute keeps every layer's input plus the saved
         tensors of the one layer being recomputed (the largest, as an upper bound)."""
         recompute = self.recompute if recompute is None else _check(recompute, RECOMPUTE, "recompute")
+        if recompute == "selective":  # measured on the model built so: what each forward leaves behind,
+            # and each layer's input where it saves it (the layer before's output: held counts neither)
+            return sum(layer.held_bytes + layer.input_saved_bytes for layer in self.layers)
         if recompute == "full":
             inputs = self.input_bytes + sum(layer.output_bytes for layer in self.layers[:-1])
             return inputs + max(layer.activation_bytes - layer.input_saved_bytes for layer in self.layers)
@@ -180,16 +186,21 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int], low: torch.dty
     live = Live(shared | {x.untyped_storage()._cdata})  # the input is the layer before's
     fwd = OpCounter(live)
     casts = Autocast(low) if low is not None else contextlib.nullcontext()
-    with FusedAttention(), casts, fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    recomputing = _recomputing_under(FusedAttention, casts)  # from the forward's checkpoint calls on
+    saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with recomputing, FusedAttention(), casts, fwd, saving:
         out = layer(x)
         scalar = _loss(out) if loss else None
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    # what forward leaves for backward: saved tensors, and what a checkpoint keeps to recompute from
+    passed_on = [*outs, *([scalar] if scalar is not None else [])]
+    held = live.alive({t.untyped_storage()._cdata for t in passed_on})
     grad_outs = [t for t in outs if t.requires_grad] if scalar is None else [scalar]
     grads = [torch.empty_like(t) for t in grad_outs]
     live.add(grads)  # the gradient the layer after hands back
     bwd = OpCounter(live)
     if grad_outs:
-        with bwd:
+        with bwd, _recomputing_under(FusedAttention, casts):  # hold the patch through backward too
             torch.autograd.backward(grad_outs, grads)
     live.close()
     in_key = x.untyped_storage()._cdata
@@ -201,9 +212,32 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int], low: torch.dty
               "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key),
               "fwd_kernels": fwd.kernels, "bwd_kernels": bwd.kernels, "fwd_ops": fwd.ops, "bwd_ops": bwd.ops,
               "fwd_winograd": fwd.winograd, "bwd_winograd": bwd.winograd,
-              "work_bytes": max(0, live.peak - sum(saved.values()))}
+              "work_bytes": max(0, live.peak - sum(saved.values())), "held_bytes": held}
     single = out if isinstance(out, torch.Tensor) else None
     return counts, single.detach().requires_grad_(single.requires_grad) if single is not None else out
+
+
+@contextlib.contextmanager
+def _recomputing_under(fused: type, casts: contextlib.AbstractContextManager):
+    """While it lasts, `torch.utils.checkpoint.checkpoint` recomputes under the profile's function
+    modes (fused attention, emulated autocast), as the forward ran: a mode would not reach into the
+    backward, whose recomputation must save what the forward saved."""
+    original = torch.utils.checkpoint.checkpoint
+
+    @contextlib.contextmanager
+    def modes():
+        with fused(), Autocast(casts.low) if isinstance(casts, Autocast) else contextlib.nullcontext():
+            yield
+
+    def checkpoint(function, *args, **kwargs):
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), modes())
+        return original(function, *args, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        torch.utils.checkpoint.checkpoint = original
 
 
 def _loss(out: object) -> torch.Tensor | None:
@@ -257,9 +291,16 @@ def _pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @functools.lru_cache(maxsize=16)
-def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
+def _profile(spec: str, dtype: str, data: str | None = None, selective: bool = False) -> ModelProfile:
     model, make_input = build_from_spec(spec, "meta", data)
     model.train()  # fp32 weights: a mixed-precision profile runs under emulated autocast, as training does
+    if selective:  # the model runs it, so the counters see its recomputation and what it keeps
+        cores = [m for m in model.modules() if hasattr(m, "selective")]
+        if not cores:
+            raise UserError(f"recompute=selective recomputes a transformer's attention core; {spec!r} "
+                            "has none")
+        for module in cores:
+            module.selective = True
     low = DTYPES[dtype] if dtype != "fp32" else None
     named = _pieces(model)
     shared = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
@@ -289,12 +330,15 @@ def _profile(spec: str, dtype: str, data: str | None = None) -> ModelProfile:
 
 def profile_model(spec: str, *, dtype: str = "fp32", recompute: str = "none",
                   data: str | None = None) -> ModelProfile:
-    """Profile the model a spec names (see `specs.SPEC_HELP`) in `dtype`, with recompute "none" or "full";
-    a user's model may take its example input from the data set `data` names (`package.module:factory`)."""
+    """Profile the model a spec names (see `specs.SPEC_HELP`) in `dtype`, with recompute "none",
+    "selective" (the attention core, as the model runs it: measured) or "full" (every layer, priced
+    from the profile); a user's model may take its example input from the data set `data` names
+    (`package.module:factory`)."""
     _check(dtype, DTYPES, "dtype")
     _check(recompute, RECOMPUTE, "recompute")
     spec = spec.strip() if isinstance(spec, str) else spec
-    return replace(_profile(spec, dtype, data.strip() if data else None), recompute=recompute)
+    base = _profile(spec, dtype, data.strip() if data else None, recompute == "selective")
+    return replace(base, recompute=recompute)
 
 
 __all__ = ["DTYPES", "OPTIMIZER_STATES", "OP_CLASSES", "RECOMPUTE", "LayerProfile", "ModelProfile",
