@@ -26,7 +26,8 @@ def test_nccl_refuses_two_ranks_on_one_gpu_in_one_line(backend):
 def test_nccl_timeouts_abort_the_communicator_so_the_loop_sees_them(monkeypatch, given, expected):
     """Under NCCL a timed-out collective aborts its communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING=2)
     and the next collective raises into the loop, which names the silent rank as under gloo; a
-    value the user set is kept. (Two GPUs are needed to see a real timeout: not tested here.)"""
+    value the user set is kept. CUDA tensors go to NCCL, the loop's few host tensors to gloo (NCCL
+    refuses them). (Two GPUs are needed to see a real timeout: not tested here.)"""
     import torch
     import torch.distributed as dist
 
@@ -41,4 +42,4 @@ def test_nccl_timeouts_abort_the_communicator_so_the_loop_sees_them(monkeypatch,
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: joined.append(backend))
     init_distributed(CommConfig(backend="nccl"), torch.device("cuda", 0), interface=None)
-    assert joined == ["nccl"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected
+    assert joined == ["cpu:gloo,cuda:nccl"] and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected
