@@ -61,9 +61,9 @@ def test_gpt_block_activation_bytes_by_hand():
         assert block.input_saved_bytes == t * d * stream and block.output_bytes == t * d * stream
 
 
-def test_gpt_activation_bytes_match_a_real_cpu_run():
-    torch.manual_seed(0)
-    model, make_input = build_from_spec(GPT_SMALL, device="cpu")
+def _saved_per_sample(model, make, run) -> float:
+    """Bytes a real CPU run of `run(make(batch))` saves for backward per sample (the slope from 2 to
+    4; what `make` saves is not counted), parameters left out, as the profile counts them."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = []
     for batch in (2, 4):
@@ -74,12 +74,23 @@ def test_gpt_activation_bytes_match_a_real_cpu_run():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
+        inputs = make(batch)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(make_input(batch))
-            target = torch.zeros(out.shape[:-1], dtype=torch.long)
-            F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction="sum")
+            run(inputs)
         saved.append(sum(storages.values()))
-    assert profile_model(GPT_SMALL).activation_bytes() == (saved[1] - saved[0]) / 2
+    return (saved[1] - saved[0]) / 2
+
+
+def test_gpt_activation_bytes_match_a_real_cpu_run():
+    torch.manual_seed(0)
+    model, make_input = build_from_spec(GPT_SMALL, device="cpu")
+
+    def run(x):
+        out = model(x)
+        target = torch.zeros(out.shape[:-1], dtype=torch.long)
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction="sum")
+
+    assert profile_model(GPT_SMALL).activation_bytes() == _saved_per_sample(model, make_input, run)
 
 
 def test_the_emulated_autocast_saves_what_torchs_autocast_saves():
@@ -88,23 +99,17 @@ def test_the_emulated_autocast_saves_what_torchs_autocast_saves():
     torch.manual_seed(0)
     model, make_input = build_from_spec(GPT_SMALL, device="cpu")
     blocks = nn.Sequential(*list(model.children())[1:-1])
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = []
-    for batch in (2, 4):
-        storages: dict[int, int] = {}
 
-        def pack(t, storages=storages):
-            if t.untyped_storage().data_ptr() not in params:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+    def embedded(batch):
+        return model[0](make_input(batch)).detach().requires_grad_()
 
-        x = model[0](make_input(batch)).detach().requires_grad_()
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def run(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             blocks(x)
-        saved.append(sum(storages.values()))
+
     profiled = profile_model(GPT_SMALL, dtype="bf16")
-    assert sum(layer.activation_bytes for layer in profiled.layers[1:-1]) == (saved[1] - saved[0]) / 2
+    measured = _saved_per_sample(model, embedded, run)
+    assert sum(layer.activation_bytes for layer in profiled.layers[1:-1]) == measured
 
 
 @pytest.mark.parametrize("spec", ["mlp:input=784,hidden=64,depth=3,classes=10", "cnn", "vgg16:input=3x32x32",
