@@ -28,12 +28,11 @@ def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, t
     """
     flops = layer.fwd_flops if phase == "fwd" else layer.bwd_flops
     moved = layer.fwd_mem_bytes if phase == "fwd" else layer.bwd_mem_bytes
-    total = 0.0
-    flops = dict(flops)
     gain = hw.device.winograd.get(dtype, 1.0)
-    if gain > 1 and f"flops.{dtype}.conv" not in hw.constants:  # a measured rate is cuDNN's own already
-        winograd = layer.fwd_winograd if phase == "fwd" else layer.bwd_winograd
-        flops["conv"] = flops.get("conv", 0.0) - winograd + winograd / gain
+    winograd = layer.fwd_winograd if phase == "fwd" else layer.bwd_winograd
+    if winograd and gain > 1 and f"flops.{dtype}.conv" not in hw.constants:  # a measured rate is cuDNN's
+        flops = {**flops, "conv": flops.get("conv", 0.0) - winograd + winograd / gain}
+    total = 0.0
     for op_class in set(flops) | set(moved):
         share = 1.0 if op_class == "other" else 1.0 / tp
         compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)
