@@ -78,10 +78,22 @@ def configurations(quick: bool) -> list[dict[str, Any]]:
 
 
 def train(out: Path, name: str, args: list[str], launch: list[str], env: dict | None = None,
-          steps: int = 40) -> Path:
-    """One `paraloom train` run of `steps` steps, logged every LOG_EVERY; returns its run dir."""
+          steps: int = 40, hardware: str = "none") -> Path:
+    """One `paraloom train` run of `steps` steps, logged every LOG_EVERY, predicting itself from
+    the profile `hardware` (a path; "none": no prediction); returns its run dir."""
     return train_run(out, name, launch, env=env, timeout=900,
-                     sets=[*args, f"optim.max_steps={steps}", f"run.log_every={LOG_EVERY}"])
+                     sets=[*args, f"optim.max_steps={steps}", f"run.log_every={LOG_EVERY}",
+                           f"run.hardware={hardware}"])
+
+
+def own_prediction(run: Path) -> dict[str, Any]:
+    """What the run predicted of itself before its first step, and the terms it measured."""
+    contract = json.loads((run / "summary.json").read_text()).get("contract", {})
+    predicted = json.loads((run / "prediction.json").read_text())
+    if "terms" not in predicted:
+        raise SystemExit(f"{run.name} made no prediction: {predicted}")
+    return {"self_predicted_s": predicted["step_seconds"], "self_terms": predicted["terms"],
+            "measured_terms": contract.get("measured")}
 
 
 def measure(quick: bool, console: Console) -> dict[str, Any]:
@@ -114,14 +126,16 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
                 hw, _ = calibrate(cluster=cluster, group_clusters=groups, name=f"this-machine-{rate}")
             hw, points = refine(hw, refine_runs)
             report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points}
+            (out / f"hardware-{rate}.yaml").write_text(hw.to_yaml())  # what each run predicts itself from
         for i, c in enumerate(configs):
             launch = ["--emulate", f"{c['workers'] + ('parallel.mode=ps' in c['args'])}x{c['rate']}"]
             console.print(f"[{i + 1}/{len(configs)}] {c['name']}")
-            run = train(out, c["name"], c["args"], launch, steps=STEPS[c["rate"]])
+            run = train(out, c["name"], c["args"], launch, steps=STEPS[c["rate"]],
+                        hardware=str(out / f"hardware-{c['rate']}.yaml"))
             config = yaml.safe_load((run / "config.yaml").read_text())
             report["configs"].append({**{k: c[k] for k in ("name", "group", "workers", "rate")},
                                       "measured_s": measured_step_seconds(run),
-                                      "config": config})
+                                      "config": config, **own_prediction(run)})
     return report
 
 
@@ -159,6 +173,10 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
     report["summary"] = {"median_abs_err": statistics.median(errors), "max_abs_err": max(errors),
                          "best_plan_hit_rate": sum(hits) / len(hits) if hits else None,
                          "n_configs": len(errors)}
+    own = [abs(c["self_predicted_s"] / c["measured_s"] - 1) for c in report["configs"]
+           if "self_predicted_s" in c]
+    if own:  # each run's prediction of itself, written before its first step
+        report["summary"].update(self_median_abs_err=statistics.median(own), self_max_abs_err=max(own))
     return report
 
 
@@ -174,12 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = predict(measure(args.quick, console))
     table = make_table("performance model: predicted vs measured step time",
-                       ("configuration", "plan", "predicted ms", "measured ms", "error", "bottleneck"),
-                       left=("configuration", "plan", "bottleneck"))
+                       ("configuration", "plan", "predicted ms", "measured ms", "error", "run's own",
+                        "bottleneck"), left=("configuration", "plan", "bottleneck"))
     for c in report["configs"]:
         terms = {k: v for k, v in c["breakdown"].items() if k != "dp_comm_total"}
+        own = f"{c['self_predicted_s'] / c['measured_s'] - 1:+.1%}" if "self_predicted_s" in c else "-"
         table.add_row(c["name"], c["plan"], f"{c['predicted_s'] * 1e3:.1f}", f"{c['measured_s'] * 1e3:.1f}",
-                      f"{c['rel_err']:+.1%}", max(terms, key=terms.get))
+                      f"{c['rel_err']:+.1%}", own, max(terms, key=terms.get))
     console.print(table)
     for group, g in report["groups"].items():
         console.print(f"{group}: predicted fastest {g['predicted_fastest']}, measured {g['measured_fastest']}"

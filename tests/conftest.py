@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/distributed.py is import
 
 torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 
+# runs predict themselves only where a test asks (run.hardware=...): pricing every run would cost the
+# suite minutes, and calibrating this machine on first use 15 s a process
+os.environ["PARALOOM_HARDWARE"] = "none"
+
 # ask NVML whether a GPU is there, without initialising CUDA here: forked workers could not use it after
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 CUDA_UNUSABLE = None if torch.cuda.is_available() else \

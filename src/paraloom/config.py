@@ -44,11 +44,18 @@ class RunConfig:
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
     eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy
     precision: str = _one_of(*choices.PRECISIONS, default="fp32")  # bf16/fp16: autocast (fp16: loss scaling)
+    # the profile a run predicts itself from: auto (this machine's, calibrated once and cached), none,
+    # a preset (h100-ib-ndr, ...: `paraloom plan --help`) or a YAML file (`paraloom calibrate`)
+    hardware: str = "auto"
+    contract_tolerance: float = 0.25  # warn when a term misses its prediction by this share of the step
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
         _positive(self, "trace_steps")
         _positive(self, "keep_checkpoints")
+        if not self.contract_tolerance > 0:
+            raise UserError(f"run.contract_tolerance={self.contract_tolerance} must be above 0 (0.25: 25% of "
+                            "the predicted step)")
         if self.checkpoint_every < 0 or self.max_restarts < 0:
             raise UserError("run.checkpoint_every and run.max_restarts must not be negative")
         if self.inject is not None:

@@ -97,10 +97,9 @@ def run(config: dict[str, Any], run_dir: str | None, started_at: float,
 
 def _threads_per_worker() -> int:
     """Share this node's cores among its workers; a launcher's OMP_NUM_THREADS wins."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local)
+    from paraloom.perfmodel.machine_profile import threads_per_worker
+
+    return threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,8 +82,15 @@ def train(
             from paraloom.preflight import preflight
 
             preflight(cfg, world)
+        if cfg.run.hardware == "auto":  # the profile the run predicts itself from, measured once
+            from paraloom.perfmodel.machine_profile import calibrate_once, threads_per_worker
+
+            console = Console(stderr=True)
+            calibrate_once(threads_per_worker(cfg.parallel.nproc),
+                           progress=lambda line: console.print(f"paraloom: {line}", highlight=False))
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
+    print_contract(summary.get("contract"))
 
 
 def _needs_preflight(cfg) -> bool:
@@ -147,3 +154,26 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     table.add_row("run directory", str(run_dir))
     Console().print(table)
 
+
+
+def print_contract(contract: dict | None) -> None:
+    """The run's prediction of itself beside what it measured, term by term (summary.json's contract)."""
+    if not contract or not contract.get("predicted") or "measured" not in contract:
+        return
+    predicted, measured = contract["predicted"], contract["measured"]
+    if "terms" not in predicted:
+        reason = predicted.get("skipped") or predicted.get("error")
+        Console(stderr=True).print(f"paraloom: no prediction: {reason}", highlight=False)
+        return
+    from paraloom.perfmodel.contract import TERMS
+
+    off = set(contract.get("off", []))
+    table = Table(title=f"predicted ({predicted['hardware']}) and measured, ms per step")
+    for column in ("term", "predicted", "measured", ""):
+        table.add_column(column, justify="left" if column in ("term", "") else "right")
+    for term in TERMS:
+        p, m = predicted["terms"][term] * 1e3, measured[term] * 1e3
+        table.add_row(term, f"{p:.2f}", f"{m:.2f}", "off" if term in off else "")
+    table.add_row("step", f"{predicted['step_seconds'] * 1e3:.2f}", f"{measured['step'] * 1e3:.2f}",
+                  f"{contract['step_error']:+.0%}")
+    Console().print(table)

@@ -20,6 +20,8 @@ class CommStats:
     bytes: int = 0  # tensor bytes passed to collectives (payload, not the algorithm's wire traffic)
     calls: int = 0
     seconds: float = 0.0  # wall time inside blocking collectives
+    encode_seconds: float = 0.0  # compressing gradients (during backward)
+    decode_seconds: float = 0.0  # decompressing them (while waiting: a part of `seconds`)
 
     def add(self, nbytes: int, seconds: float) -> None:
         self.bytes += nbytes
@@ -28,8 +30,8 @@ class CommStats:
 
     def take(self) -> CommStats:
         """Return the totals so far and start again from zero."""
-        out = CommStats(self.bytes, self.calls, self.seconds)
-        self.bytes, self.calls, self.seconds = 0, 0, 0.0
+        out = CommStats(self.bytes, self.calls, self.seconds, self.encode_seconds, self.decode_seconds)
+        self.bytes, self.calls, self.seconds, self.encode_seconds, self.decode_seconds = 0, 0, 0.0, 0.0, 0.0
         return out
 
 

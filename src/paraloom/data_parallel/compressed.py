@@ -10,6 +10,7 @@ happens in `wait()`, on the thread that waits (the training loop), never in a ca
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,8 +57,10 @@ def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
     compressor, group, world = engine.compressor, engine.comm_group, engine.world_size
     if hasattr(compressor, "reduce"):  # a multi-round reducer (PowerSGD) runs its own rounds
         return compressor.reduce(engine, piece, on_done)
-    grad = piece.grad
+    grad, stats = piece.grad, engine.stats
+    began = time.perf_counter()
     payload, ctx = compressor.compress(grad, piece.key)
+    stats.encode_seconds += time.perf_counter() - began
     nbytes = payload.numel() * payload.element_size()
     name = engine.piece_name(piece) + f" ({compressor.name})"
     if compressor.summable:
@@ -66,10 +69,12 @@ def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
                                 lambda: all_reduce(payload, algorithm=engine.algorithm, group=group), on_done)
 
         def finish() -> None:
+            began = time.perf_counter()
             if hasattr(compressor, "decompress_into"):  # casts: straight into the piece
                 compressor.decompress_into(payload, ctx, grad)
             else:
                 grad.copy_(compressor.decompress(payload, ctx).view_as(grad))
+            stats.decode_seconds += time.perf_counter() - began
     else:
         gathered = payload.new_empty(world * payload.numel())
 
@@ -82,5 +87,7 @@ def launch_compressed(engine, piece, on_done=None) -> CompressedWork:
                                 blocking, on_done)
 
         def finish() -> None:
+            began = time.perf_counter()
             decode_sum(compressor, gathered.view(world, -1), ctx, grad)
+            stats.decode_seconds += time.perf_counter() - began
     return CompressedWork(work, finish)

@@ -42,8 +42,13 @@ def predictable(cfg: Config, world: int) -> Predictable:
     dp, tp, pp = cfg.grid(world)
     comm, par = cfg.comm, cfg.parallel
     ps = par.mode == "ps"
-    plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=par.microbatches, schedule=par.schedule,
-                scheduler=comm.scheduler, sync=comm.sync if comm.sync != "local_sgd" else "sync",
+    interleaved = par.schedule == "interleaved_1f1b" and pp > 1
+    # layers mode runs one micro-batch; with pp = 1, accumulation's micro-batches are the model's
+    micro = 1 if par.mode == "layers" else par.microbatches
+    micro = cfg.optim.accumulate if pp == 1 and micro == 1 and par.mode != "ps" else micro
+    plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=micro, schedule=par.schedule if pp > 1 else "1f1b",
+                virtual_stages=par.virtual_stages if interleaved else 1, scheduler=comm.scheduler,
+                sync=comm.sync if comm.sync != "local_sgd" else "sync",
                 compressor=comm.compressor, algorithm=comm.algorithm,
                 servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")
     optimizer = "adam" if cfg.optim.name == "adam" else ("momentum" if cfg.optim.momentum else "sgd")

@@ -61,8 +61,9 @@ def peak_bytes(kinds: dict[str, float], mixed: bool) -> float:
     return kept + max(backward, kinds["grads"])
 
 
-def device_memory(profile: ModelProfile, plan, stages: list[tuple[int, int]], micro: float, opts) -> float:
-    """The fullest device's bytes over every stage of the plan."""
+def stage_peaks(profile: ModelProfile, plan, stages: list[tuple[int, int]], micro: float,
+                opts) -> list[float]:
+    """A device's peak bytes in each stage of the plan (the fullest device is their max)."""
     mixed = profile.dtype != "fp32"
-    return max(peak_bytes(stage_memory(profile.slice(start, stop), plan, k, micro, opts), mixed)
-               for k, (start, stop) in enumerate(stages))
+    return [peak_bytes(stage_memory(profile.slice(start, stop), plan, k, micro, opts), mixed)
+            for k, (start, stop) in enumerate(stages)]

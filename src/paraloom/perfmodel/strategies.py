@@ -28,7 +28,7 @@ from paraloom.perfmodel.cpu_cost import (
 )
 from paraloom.perfmodel.device_cost import layer_seconds, update_seconds
 from paraloom.perfmodel.hardware import Hardware, Link
-from paraloom.perfmodel.memory import device_memory
+from paraloom.perfmodel.memory import stage_peaks
 from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
@@ -101,6 +101,7 @@ class Estimate:
     breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by cause
     phases: dict[str, float] = field(default_factory=dict)  # forward, backward (recomputation included)
     # and update seconds of the step's own work, before any overlap or waiting
+    memory_per_stage: tuple[float, ...] = ()  # a device's bytes, pipeline stage by stage
 
     def to_dict(self) -> dict:
         return {**asdict(self), "plan": asdict(self.plan), "label": self.plan.label()}
@@ -308,12 +309,13 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         # asynchronous workers each run at their own pace: the slow one adds its share only
         fast = (plan.dp - 1) / plan.dp * global_batch / step
         samples = fast + global_batch / plan.dp / (step + (opts.straggler - 1) * pipeline)
-    memory = device_memory(profile, plan, stages, micro, opts)
+    per_stage = stage_peaks(profile, plan, stages, micro, opts)
+    memory = max(per_stage)
     terms = {k: v for k, v in breakdown.items() if k != "dp_comm_total"}
     phases = {"forward": sum(fwd) / plan.pp * m, "backward": sum(bwd) / plan.pp * m, "update": update}
     return Estimate(plan=plan, step_s=step, samples_per_s=samples, memory_bytes=memory,
                     fits=memory <= hw.device.mem_capacity, bottleneck=max(terms, key=terms.get),
-                    breakdown=breakdown, phases=phases)
+                    breakdown=breakdown, phases=phases, memory_per_stage=tuple(per_stage))
 
 
 def _flag_guard(plan: Plan, opts: Options) -> bool:

@@ -23,6 +23,7 @@ from paraloom.config import Config
 from paraloom.config_faults import parse_faults
 from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
 from paraloom.errors import UserError
+from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
 from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
@@ -129,6 +130,15 @@ class Loop:
                         keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group)
         self.counters["checkpoint_seconds"] += time.perf_counter() - began
 
+    def make_contract(self) -> Contract:
+        """The run's prediction of itself (rank 0, before the first step) and this rank's record."""
+        cfg, predicted = self.cfg, None
+        if self.is_main and self.run_dir is not None:
+            workers = self.world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0)
+            predicted = load_or_predict(self.run_dir, cfg, workers, torch.get_num_threads())
+        return Contract(predicted, tolerance=cfg.run.contract_tolerance, speaks=self.is_main,
+                        warmup=min(10, max(1, self.total_steps // 5)))
+
     # ---- a training rank
 
     def run(self) -> dict[str, Any]:
@@ -138,8 +148,10 @@ class Loop:
         self.marker = ProgressMarker(self.run_dir) if self.is_main and self.run_dir else None
         self.progress = TrainProgress(self.total_steps, enabled=self.is_main)
         try:
+            self.contract = self.make_contract()
             strategy.begin()
             self.logged = (self.step, self.counters["samples"], time.perf_counter())
+            self.step_end = self.logged[2]
             self.loop_start, self.samples_at_start = time.perf_counter(), self.counters["samples"]
             self.eval_seconds = 0.0
             while self.step < self.total_steps:
@@ -147,6 +159,7 @@ class Loop:
                 self.run_epoch(epoch)
                 if cfg.run.eval_every_epoch and self.step > 0:
                     self.evaluate_epoch()
+                    self.step_end = time.perf_counter()  # evaluating is no step's data loading
             self.train_seconds = time.perf_counter() - self.loop_start - self.eval_seconds
             if self.timeline is not None:
                 self.timeline.active = False
@@ -175,13 +188,15 @@ class Loop:
             self.one_step(epoch, x, y, global_count, scale)
 
     def one_step(self, epoch: int, x: torch.Tensor, y: torch.Tensor, global_count: int, scale: float) -> None:
-        step, timeline = self.step + 1, self.timeline
+        step, timeline, fetched = self.step + 1, self.timeline, time.perf_counter()
         self.faults.before_step(step)
         if timeline is not None:  # steps 2 .. 1 + trace_steps (1-based)
             timeline.active = 1 <= self.step <= self.cfg.run.trace_steps
             step_start = timeline.now()
         self.operation = "training step (forward, backward, synchronization, update)"
+        copying = time.perf_counter()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        data = fetched - self.step_end + time.perf_counter() - copying
         saving = self.saves_after(step)
         with self.faults.during(step, self.strategy.model):
             result = self.strategy.train_step(x, y, global_count, scale=scale, step=step, saving=saving)
@@ -200,8 +215,12 @@ class Loop:
             self.operation = "checkpoint"
             self.save(step, self.strategy.state_dict())
         done = self.counters["samples"] - self.samples_at_start
+        now = time.perf_counter()
         self.progress.update(step, loss=self.counters["loss"], epoch=epoch,
-                             samples_per_s=done / max(time.perf_counter() - self.loop_start, 1e-9))
+                             samples_per_s=done / max(now - self.loop_start, 1e-9))
+        # waiting for the batch: from the last step's end to this one's start, and the copy
+        self.contract.record(now - self.step_end, {**(result.terms or {}), "data": data})
+        self.step_end = now
 
     def guard(self, result: StepResult) -> None:
         """Count a skipped step; stop after guard.max_bad_steps in a row."""
@@ -242,6 +261,7 @@ class Loop:
                                 {"loss_scale": strategy.loss_scale()}),
                              **strategy.metrics()})
         self.logged = (step, self.counters["samples"], now)
+        self.contract.check()
 
     def take_comm(self) -> tuple[int, float]:
         """The strategy's training traffic since the last call, also added to the run's counters."""
@@ -253,6 +273,16 @@ class Loop:
     def gather(self, value: float) -> list[float]:
         """`value` of every rank of the strategy's group, in rank order (collective)."""
         return gather_floats([value], self.strategy.group)[:, 0].tolist()
+
+    def contract_report(self) -> dict[str, Any]:
+        """Predicted and measured terms side by side, every rank's medians gathered (collective)."""
+        keys = ("step", *TERMS)
+        mine = self.contract.medians()
+        values = [mine[k] for k in keys] if mine else [float("nan")] * len(keys)  # nan: no step measured
+        rows = gather_floats(values, self.strategy.group)
+        per_rank = [None if row[0] != row[0] else dict(zip(keys, row, strict=True)) for row in rows.tolist()]
+        return report(self.contract.given, per_rank,
+                      tolerance=self.cfg.run.contract_tolerance)
 
     def evaluate_epoch(self) -> None:
         self.operation = "evaluation"
@@ -287,6 +317,7 @@ class Loop:
             "rss_peak_mb_per_rank": self.gather(memory_mb()[1]),
             "device": str(self.device), "backend": dist.get_backend(),
         }
+        summary["contract"] = self.contract_report()
         if strategy.loss_scale() is not None:  # fp16: every rank's scale (they back off alike)
             summary["loss_scale_per_rank"] = self.gather(strategy.loss_scale())
         summary.update(strategy.summary())

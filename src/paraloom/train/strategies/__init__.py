@@ -10,6 +10,7 @@ fields, the recipe of optimizer and loss), which engines, schedules and servers 
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,6 +32,7 @@ class StepResult(NamedTuple):
     loss: torch.Tensor | None  # this rank's share of the batch loss, for `Strategy.loss_value`
     compute_seconds: float  # forward and backward computation of this rank, waits excluded
     scaler_skip: bool = False  # a skip that was fp16's loss scaler backing off (not a bad step)
+    terms: dict[str, float] | None = None  # this step's seconds by term (perfmodel/contract.py)
 
 
 class Strategy(ABC):
@@ -133,6 +135,22 @@ class EngineStrategy(Strategy):
     def take_comm(self) -> tuple[int, float]:
         comm = self.stats.take()
         return comm.bytes, comm.seconds
+
+    def comm_mark(self) -> tuple[float, float, float]:
+        """The engine's running comm, encode and decode seconds, for `timed_step`."""
+        return self.stats.seconds, self.stats.encode_seconds, self.stats.decode_seconds
+
+    def timed_step(self, began: float, computed: float,
+                   mark: tuple[float, float, float]) -> tuple[bool, dict[str, float]]:
+        """The engine's step after forward and backward (`computed` seconds from `began`, `mark` taken
+        at `began`): (stepped, the step's compute, communication, codec and update seconds)."""
+        stats = self.stats
+        waited = stats.seconds - mark[0]  # blocked in communication during backward
+        stepped = self.engine.step(self.optimizer)  # synchronize, update, zero the gradients (bucket views)
+        comm, encode, decode = (now - then for now, then in zip(self.comm_mark(), mark, strict=True))
+        update = time.perf_counter() - began - computed - (comm - waited)
+        return stepped, {"compute": computed - waited - encode, "communication": comm - decode,
+                         "codec": encode + decode, "update": update}
 
     def learning_rate(self) -> float:
         return self.recipe.learning_rate()

@@ -41,7 +41,7 @@ class DataParallelStrategy(EngineStrategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
-        began, recipe = time.perf_counter(), self.recipe
+        began, recipe, mark = time.perf_counter(), self.recipe, self.comm_mark()
         pieces, loss_sum = chunks(x, y, recipe.accumulate), 0.0
         for i, (xs, ys) in enumerate(pieces):
             with self.engine.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():  # sync once
@@ -50,11 +50,11 @@ class DataParallelStrategy(EngineStrategy):
                 recipe.backward(loss)
             loss_sum = part.float() + loss_sum
         computed = time.perf_counter() - began
-        stepped = self.engine.step(self.optimizer)  # synchronize, update, zero the gradients (bucket views)
+        stepped, terms = self.timed_step(began, computed, mark)
         own_skip = recipe.after_step(stepped)
         if self.sparse is not None:
             self.sparse.after_step(step)
-        return StepResult(stepped, loss_sum, computed, own_skip)
+        return StepResult(stepped, loss_sum, computed, own_skip, terms)
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
         dist.all_reduce(result.loss, group=self.groups.dp_group)  # metric only, not counted

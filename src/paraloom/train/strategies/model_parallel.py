@@ -136,7 +136,7 @@ class ModelParallelStrategy(EngineStrategy):
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
-        began, recipe, k = time.perf_counter(), self.recipe, self.recipe.accumulate
+        began, recipe, k, mark = time.perf_counter(), self.recipe, self.recipe.accumulate, self.comm_mark()
         scale = recipe.scaler.scale if recipe.scaler is not None else 1.0  # (batches are whole: drop_last)
         self.loss_factor, loss, busy = scale / k, None, 0.0
         for i, (xs, ys) in enumerate(zip(x.tensor_split(k), y.tensor_split(k), strict=True)):
@@ -148,10 +148,12 @@ class ModelParallelStrategy(EngineStrategy):
             loss = part if loss is None else loss + part if part is not None else None
             busy += measured.busy_seconds
             self.peak_activation = max(self.peak_activation, measured.peak_activation_bytes)
-        stepped = self.engine.step(self.optimizer)
+        stepped, terms = self.timed_step(began, time.perf_counter() - began, mark)
+        # what the pipeline ran besides this rank's own work and its data-parallel waits: the bubble
+        terms["bubble"], terms["compute"] = max(0.0, terms["compute"] - busy), busy
         own_skip = recipe.after_step(stepped)
         self.step_seconds.append(time.perf_counter() - began)
-        return StepResult(stepped, loss / scale if loss is not None else None, busy, own_skip)
+        return StepResult(stepped, loss / scale if loss is not None else None, busy, own_skip, terms)
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
         """Mean over data-parallel replicas of the last stages' losses (tp rank 0 of each counts)."""

@@ -139,7 +139,8 @@ class ParameterServerStrategy(Strategy):
         # (a marked push's replies wait for the checkpoint, which the loop writes after this step)
         self.rows.append((time.time(), float(len(x))))
         self.count, self.samples = len(x), self.samples + global_count
-        return StepResult(client.last_push_finite, loss_sum, computed)
+        terms = {"compute": computed, "communication": client.wait_seconds - waited}  # the servers update
+        return StepResult(client.last_push_finite, loss_sum, computed, terms=terms)
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
         """BSP: the global batch's mean loss (the workers step in lockstep anyway); ASP/SSP: this

@@ -1,0 +1,175 @@
+"""A run's prediction of itself, term by term, and its comparison with what the run measures.
+
+Before its first step a run predicts its step from a hardware profile and nothing measured in
+the run (`predict`); while it trains, every rank records its own terms per step from the timers
+the loop, the engine and the pipeline keep anyway (`Contract.record`: no synchronization), and
+rank 0 warns once per term whose median misses its prediction by more than
+`run.contract_tolerance` of the predicted step. The terms:
+
+    compute        forward and backward (tensor-parallel collectives run inside the layers)
+    data           waiting for the batch: loading, collating, the copy to the device
+    communication  data-parallel or parameter-server communication not hidden behind compute
+    codec          compressing and decompressing gradients
+    bubble         a pipeline's idle time and its point-to-point transfers
+    update         the optimizer step
+    overhead       the rest of the step: host work the model prices as per-step constants
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+MIN_ROWS = 20  # steps measured after warm-up before a median is trusted enough to warn
+TERMS = ("compute", "data", "communication", "codec", "bubble", "update", "overhead")
+CAUSES = {
+    "compute": "forward and backward run slower than calibrated: other load on the machine, other threads "
+               "per worker, or a profile of another machine",
+    "data": "the input pipeline (loading and collating batches): raise data.workers",
+    "communication": "the link is slower than calibrated, or shared with other traffic",
+    "codec": "compressing and decompressing gradients run slower than calibrated",
+    "bubble": "pipeline stages out of balance, or slow point-to-point transfers between them",
+    "update": "the optimizer step runs slower than calibrated",
+    "overhead": "per-step host work the model does not price (Python, logging, checkpoints, guards)",
+}
+
+
+def predicted_terms(estimate) -> dict[str, float]:
+    """An `Estimate`'s breakdown as the terms a run measures; they add up to its step. A pipeline's
+    compute is its slowest stage's (the one that sets the pace), tensor-parallel collectives included."""
+    b = estimate.breakdown
+    terms = {"data": b["data"], "codec": b["codec"], "bubble": b["bubble"] + b["pp_comm"],
+             "update": b["update"], "overhead": b["overhead"] + b["sync"] + b["straggler"]}
+    if estimate.plan.servers:  # the servers update: a worker waits for it with its push and pull
+        terms["compute"], terms["update"] = b["compute"], 0.0
+        terms["communication"] = max(0.0, estimate.step_s - sum(terms.values()))
+    else:
+        terms["communication"] = b["dp_comm_exposed"]
+        terms["compute"] = estimate.step_s - sum(terms.values())  # the pipeline less its bubble
+    return {term: terms[term] for term in TERMS}
+
+
+def predict(cfg, workers: int, hardware) -> dict[str, Any]:
+    """The run's predicted step, by term, and peak memory per rank, from `hardware` alone."""
+    from paraloom.perfmodel.from_config import predictable
+    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.strategies import estimate
+
+    what = predictable(cfg, workers)
+    dtype = cfg.run.precision
+    profile = profile_model(what.spec, dtype=dtype, recompute=what.recompute)
+    est = estimate(profile, hardware, what.plan, what.global_batch, what.options)
+    plan = what.plan
+    per_rank = [est.memory_per_stage[_stage_of(rank, plan)] for rank in range(plan.dp * plan.tp * plan.pp)]
+    return {"hardware": hardware.name, "plan": plan.label(), "model": what.spec,
+            "step_seconds": est.step_s, "terms": predicted_terms(est),
+            "peak_memory_bytes_per_rank": per_rank}
+
+
+def _stage_of(rank: int, plan) -> int:
+    from paraloom.topology import Topology
+
+    return Topology(dp=plan.dp, tp=plan.tp, pp=plan.pp).coord(rank).pp
+
+
+class Contract:
+    """One rank's measured terms, step by step after warm-up, held against the prediction."""
+
+    def __init__(self, predicted: dict[str, Any] | None, *, tolerance: float, warmup: int,
+                 speaks: bool) -> None:
+        self.given = predicted  # as written, a reason in place of the terms where there is none
+        self.predicted = predicted if predicted is not None and "terms" in predicted else None
+        self.tolerance, self.warmup, self.speaks = tolerance, warmup, speaks
+        self.rows: list[dict[str, float]] = []
+        self.seen = 0
+        self.warned: set[str] = set()
+
+    def record(self, step_seconds: float, terms: dict[str, float]) -> None:
+        """One step's wall time and its measured terms; `overhead` is what they leave of the step."""
+        self.seen += 1
+        if self.seen <= self.warmup:
+            return
+        row = {term: terms.get(term, 0.0) for term in TERMS}
+        row["overhead"] = max(0.0, step_seconds - sum(v for k, v in row.items() if k != "overhead"))
+        row["step"] = step_seconds
+        self.rows.append(row)
+
+    def medians(self) -> dict[str, float] | None:
+        if not self.rows:
+            return None
+        return {key: statistics.median(row[key] for row in self.rows) for key in ("step", *TERMS)}
+
+    def check(self) -> list[str]:
+        """Warn (rank 0, once per term) about terms off by more than the tolerance so far."""
+        measured = self.medians()
+        if not self.speaks or self.predicted is None or measured is None or len(self.rows) < MIN_ROWS:
+            return []
+        new = [t for t in off_terms(self.predicted, measured, self.tolerance) if t not in self.warned]
+        for term in new:
+            self.warned.add(term)
+            print(f"paraloom: warning: {warning(term, self.predicted, measured)}", file=sys.stderr)
+        return new
+
+
+def off_terms(predicted: dict[str, Any], measured: dict[str, float], tolerance: float) -> list[str]:
+    """Terms whose measured median misses the prediction by more than `tolerance` x predicted step."""
+    bound = tolerance * predicted["step_seconds"]
+    return [t for t in TERMS if abs(measured[t] - predicted["terms"][t]) > bound]
+
+
+def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) -> str:
+    p, m = predicted["terms"][term], measured[term]
+    ratio = f"{m / p:.1f}x" if p > 0 else "more than"
+    return (f"{term} takes {m * 1e3:.2f} ms a step, {ratio} the {p * 1e3:.2f} ms predicted from hardware "
+            f"profile {predicted['hardware']!r} (step {measured['step'] * 1e3:.2f} ms, predicted "
+            f"{predicted['step_seconds'] * 1e3:.2f} ms); likely cause: {CAUSES[term]}")
+
+
+def report(predicted: dict[str, Any] | None, per_rank: list[dict[str, float] | None], *,
+           tolerance: float) -> dict[str, Any]:
+    """summary.json's "contract": predicted and measured side by side. The measured terms are the
+    rank that computes longest (it sets a synchronous step's pace): its terms add up to its step."""
+    ranks = [row for row in per_rank if row is not None]
+    out: dict[str, Any] = {"tolerance": tolerance, "predicted": predicted, "measured_per_rank": per_rank}
+    if not ranks:
+        return out
+    pace = max(ranks, key=lambda row: row["compute"])
+    out["measured"] = pace
+    if predicted is not None and "terms" in predicted:
+        out["step_error"] = pace["step"] / predicted["step_seconds"] - 1.0
+        out["off"] = off_terms(predicted, pace, tolerance)
+    return out
+
+
+PREDICTION = "prediction.json"
+
+
+def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
+    """Rank 0's prediction of the run in `run_dir`: made before its first step and written to
+    prediction.json, or read back from there on a restart. Never stops the run: a model or a
+    profile it cannot price gives {"error": ...} and one line on stderr."""
+    import json
+
+    from paraloom.perfmodel.machine_profile import resolve_hardware
+    from paraloom.train.metrics import write_json
+
+    path = run_dir / PREDICTION
+    if path.is_file():
+        return json.loads(path.read_text())
+    try:
+        hardware = resolve_hardware(cfg.run.hardware, threads)
+        if hardware is None:
+            predicted = {"skipped": "run.hardware=none" if cfg.run.hardware == "none" else
+                         "no hardware profile of this machine yet: `paraloom train` makes one on first use"}
+        else:
+            predicted = predict(cfg, workers, hardware)
+    except Exception as exc:  # noqa: BLE001 (a prediction that fails must not stop the training)
+        predicted = {"error": f"{type(exc).__name__}: {exc}"}
+    write_json(path, predicted)
+    if "terms" in predicted:
+        print(f"paraloom: predicted step {predicted['step_seconds'] * 1e3:.2f} ms ({predicted['plan']}, "
+              f"hardware profile {predicted['hardware']!r}); {path}", file=sys.stderr)
+    elif "error" in predicted:
+        print(f"paraloom: note: no prediction of this run: {predicted['error']}", file=sys.stderr)
+    return predicted
