@@ -124,8 +124,10 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
                 groups = [stack.enter_context(emulated(n, parse_rate(rate), "pmv"))
                           for n in sizes]  # the all-reduce at every group size the plans use
                 hw, _ = calibrate(cluster=cluster, group_clusters=groups, name=f"this-machine-{rate}")
+            white = hw.to_dict()  # micro-benchmarks alone: the white box
             hw, points = refine(hw, refine_runs)
-            report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points}
+            report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points,
+                                        "white_profile": white}
             (out / f"hardware-{rate}.yaml").write_text(hw.to_yaml())  # what each run predicts itself from
         for i, c in enumerate(configs):
             launch = ["--emulate", f"{c['workers'] + ('parallel.mode=ps' in c['args'])}x{c['rate']}"]

@@ -48,6 +48,7 @@ class RunConfig:
     # a preset (h100-ib-ndr, ...: `paraloom plan --help`) or a YAML file (`paraloom calibrate`)
     hardware: str = "auto"
     contract_tolerance: float = 0.25  # warn when a term misses its prediction by this share of the step
+    health_every: int = 10  # steps between straggler checks (train/health.py); 0: none
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
@@ -56,8 +57,9 @@ class RunConfig:
         if not self.contract_tolerance > 0:
             raise UserError(f"run.contract_tolerance={self.contract_tolerance} must be above 0 (0.25: 25% of "
                             "the predicted step)")
-        if self.checkpoint_every < 0 or self.max_restarts < 0:
-            raise UserError("run.checkpoint_every and run.max_restarts must not be negative")
+        if self.checkpoint_every < 0 or self.max_restarts < 0 or self.health_every < 0:
+            raise UserError("run.checkpoint_every, run.max_restarts and run.health_every must not be "
+                            "negative")
         if self.inject is not None:
             parse_faults(self.inject)
         if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):

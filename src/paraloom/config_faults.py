@@ -52,7 +52,7 @@ def _parse_one(spec: str) -> Fault:
     else:
         allowed = "a rank number or 'random'" if kind == "slow" else "a rank number"
         raise UserError(f"--inject {spec!r}: rank must be {allowed}, got {rank_text!r}")
-    if kind == "slow":
+    if kind in ("slow", "slow_data"):
         try:
             factor = float(values["factor"])
         except ValueError:

@@ -23,6 +23,7 @@ from distributed import run_workers
 from paraloom.config import load_config
 from paraloom.data import load_data
 from paraloom.models.make import make_model
+from paraloom.perfmodel.contract import TERMS
 from paraloom.train import train
 
 MLP = ["model.name=mlp", "model.hidden=16", "data.name=synthetic", "data.n_samples=256", "data.batch_size=32"]
@@ -136,6 +137,11 @@ def test_every_feature_under_every_strategy(name, killed_runs, tmp_path):
     full = make_model(cfg, load_data(cfg)).state_dict()
     model = torch.load(run_dir / "model.pt", weights_only=True)
     assert {k: v.shape for k, v in model.items()} == {k: v.shape for k, v in full.items()}
+    # the run measures its own terms on every training rank, and the ranks swap timings every 10 steps
+    measured = main["contract"]["measured_per_rank"]
+    assert len(measured) == workers and all(set(TERMS) <= set(m) and m["step"] > 0 for m in measured)
+    lockstep = "ps.consistency" not in " ".join(sets)
+    assert main["health_checks"] == main["steps"] // 10 if lockstep else main["health_checks"] >= 1
 
     # kill + elastic restart, from the newest checkpoint
     out, done = killed_runs

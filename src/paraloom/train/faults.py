@@ -6,6 +6,8 @@
     --inject slow:rank=1,factor=2.0     a persistent straggler: every step of rank 1 takes 2x
     --inject slow:rank=random,factor=2  a transient one: each step one rank, drawn from a seeded
                                         stream all ranks agree on, takes 2x
+    --inject slow_data:rank=1,factor=2  a persistent input straggler: rank 1's every batch arrives
+                                        1x a step's computation late (its step takes 2x)
 
 A slow step's extra time is slept between forward and backward (`stretch`), so that it delays
 the step's gradients as slower arithmetic would: slept after backward, it would overlap the
@@ -22,6 +24,7 @@ parameter-server worker's forward that waits for its shards.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import signal
@@ -34,6 +37,8 @@ from torch import nn
 
 from paraloom.config_faults import Fault
 
+ONCE = ("kill", "hang", "nan")  # the faults that fire once per run (the slow ones persist)
+
 
 class FaultInjector:
     """Fires this rank's faults from the training loop; one per run for kill, hang and nan."""
@@ -41,8 +46,9 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int, seed: int,
                  run_dir: Path | None) -> None:
         self.rank, self.world_size, self.seed, self.run_dir = rank, world_size, seed, run_dir
-        self.once = [f for f in faults if f.kind != "slow" and f.rank == rank and not self._fired(f)]
+        self.once = [f for f in faults if f.kind in ONCE and f.rank == rank and not self._fired(f)]
         self.slow = [f for f in faults if f.kind == "slow"]
+        self.slow_data = [f.factor for f in faults if f.kind == "slow_data" and f.rank == rank]
         self.compute_seconds: float | None = None  # the last step's forward and backward (`computed`)
         self.slept = 0.0  # seconds `stretch` slept in the current step
 
@@ -89,6 +95,11 @@ class FaultInjector:
             if rank == self.rank:
                 factor *= fault.factor
         return factor
+
+    def delay_data(self) -> None:
+        """slow_data: hold this rank's batch back (factor - 1) x the last step's computation."""
+        if self.slow_data and self.compute_seconds is not None:
+            time.sleep((math.prod(self.slow_data) - 1.0) * self.compute_seconds)
 
     def stretch(self, step: int, forward_seconds: float) -> float:
         """Between forward and backward of `step`: sleep (factor - 1) x the step's computation if

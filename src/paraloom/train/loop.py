@@ -29,6 +29,7 @@ from paraloom.trace import Timeline
 from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
+from paraloom.train.health import Health
 from paraloom.train.metrics import MetricsLogger, memory_mb, save_state, write_json
 from paraloom.train.progress import TrainProgress
 from paraloom.train.recipe import planned_steps, steps_per_epoch
@@ -149,6 +150,9 @@ class Loop:
         self.progress = TrainProgress(self.total_steps, enabled=self.is_main)
         try:
             self.contract = self.make_contract()
+            self.health = Health(cfg.run.health_every, strategy.group, key=strategy.peer_key,
+                                 lockstep=strategy.lockstep, speaks=self.is_main)
+            self.stragglers: list[dict[str, Any]] = []  # named since the last metrics line
             strategy.begin()
             self.logged = (self.step, self.counters["samples"], time.perf_counter())
             self.step_end = self.logged[2]
@@ -195,6 +199,7 @@ class Loop:
             step_start = timeline.now()
         self.operation = "training step (forward, backward, synchronization, update)"
         copying = time.perf_counter()
+        self.faults.delay_data()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         data = fetched - self.step_end + time.perf_counter() - copying
         saving = self.saves_after(step)
@@ -219,7 +224,10 @@ class Loop:
         self.progress.update(step, loss=self.counters["loss"], epoch=epoch,
                              samples_per_s=done / max(now - self.loop_start, 1e-9))
         # waiting for the batch: from the last step's end to this one's start, and the copy
-        self.contract.record(now - self.step_end, {**(result.terms or {}), "data": data})
+        terms = {**(result.terms or {}), "data": data}
+        self.contract.record(now - self.step_end, terms)
+        self.operation = "straggler check"
+        self.stragglers += self.health.record(step, terms, now - self.step_end)
         self.step_end = now
 
     def guard(self, result: StepResult) -> None:
@@ -259,8 +267,9 @@ class Loop:
                              "rss_mb": [round(r, 1) for r in rss],
                              **({} if strategy.loss_scale() is None else
                                 {"loss_scale": strategy.loss_scale()}),
+                             **({"stragglers": self.stragglers} if self.stragglers else {}),
                              **strategy.metrics()})
-        self.logged = (step, self.counters["samples"], now)
+        self.logged, self.stragglers = (step, self.counters["samples"], now), []
         self.contract.check()
 
     def take_comm(self) -> tuple[int, float]:
@@ -318,6 +327,9 @@ class Loop:
             "device": str(self.device), "backend": dist.get_backend(),
         }
         summary["contract"] = self.contract_report()
+        self.health.settle(wait=True)
+        summary.update(stragglers=self.health.named, health_checks=self.health.checks,
+                       health_seconds=self.health.seconds)
         if strategy.loss_scale() is not None:  # fp16: every rank's scale (they back off alike)
             summary["loss_scale_per_rank"] = self.gather(strategy.loss_scale())
         summary.update(strategy.summary())

@@ -46,6 +46,8 @@ class Strategy(ABC):
     dp_world_size: int
     drop_last = False  # True: an epoch's short last batch is skipped (fixed micro-batch shapes)
     serves = False  # True on a rank that serves the others (a parameter server), taking no step
+    peer_key = 0  # ranks of equal keys do the same work: their timings are compared (train/health.py)
+    lockstep = True  # False: the ranks of `group` do not wait for each other every step (ASP, SSP)
 
     def begin(self) -> None:  # noqa: B027 (a default that does nothing, not a forgotten method)
         """After any resume, before the first step."""

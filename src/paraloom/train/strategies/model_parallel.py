@@ -73,6 +73,7 @@ class ModelParallelStrategy(EngineStrategy):
         self.group = self.checkpoint_group = dist.new_group(list(range(world)), timeout=default_timeout())
         self.dp_rank, self.dp_world_size = groups.dp_rank, dp
         self.first, self.last = groups.pp_is_first_stage, groups.pp_is_last_stage
+        self.peer_key = groups.pp_rank  # a stage's ranks in every replica do the same work
         self.m = 1 if cfg.parallel.mode == "layers" else cfg.parallel.microbatches
         self.schedule = "layers" if cfg.parallel.mode == "layers" else cfg.parallel.schedule
         self.v = cfg.parallel.virtual_stages if self.schedule == "interleaved_1f1b" else 1  # chunks per stage

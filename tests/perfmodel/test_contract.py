@@ -1,0 +1,147 @@
+"""A run's prediction of itself: terms adding up to the step, the record, the warnings, the file, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed import run_workers
+from test_strategies import hardware, model
+
+from paraloom.config import load_config
+from paraloom.perfmodel import machine_profile
+from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, off_terms, predicted_terms, report
+from paraloom.perfmodel.hardware import load_hardware
+from paraloom.perfmodel.strategies import Options, Plan, estimate
+from paraloom.train import train
+
+SMALL = ["model.name=mlp", "model.hidden=32", "optim.epochs=2", "run.log_every=5"]  # 46 steps on 2 ranks
+
+
+@pytest.mark.parametrize("plan", [Plan(), Plan(dp=4, compressor="fp16"), Plan(dp=2, pp=2, microbatches=4),
+                                  Plan(tp=2, pp=2, microbatches=2), Plan(dp=2, servers=1),
+                                  Plan(dp=2, servers=1, consistency="asp")], ids=str)
+def test_the_predicted_terms_add_up_to_the_predicted_step(plan):
+    hw = hardware(latency=1e-4, step_overhead_s=1e-3, sync_overhead_s=2e-3)
+    e = estimate(model(n=8), hw, plan, 32, Options(straggler=1.5))
+    terms = predicted_terms(e)
+    assert list(terms) == list(TERMS) and all(v >= 0 for v in terms.values())
+    assert sum(terms.values()) == pytest.approx(e.step_s, rel=1e-9)
+    if plan.pp > 1:
+        assert terms["bubble"] >= e.breakdown["bubble"] > 0  # the bubble and the transfers
+    if plan.servers:
+        assert terms["update"] == 0 and terms["communication"] > 0  # the servers update
+
+
+def test_a_pipeline_predicts_each_stage_its_own_memory():
+    e = estimate(model(n=8), hardware(), Plan(pp=2, microbatches=4), 32)
+    first, last = e.memory_per_stage
+    assert first > last and e.memory_bytes == first  # 1F1B: the first stage holds the most micro-batches
+
+
+def _predicted(step=0.010, **terms):
+    base = dict.fromkeys(TERMS, 0.0) | {"compute": 0.008, "communication": 0.002} | terms
+    return {"hardware": "toy", "step_seconds": step, "terms": base}
+
+
+def test_the_record_skips_warm_up_and_makes_overhead_the_rest_of_the_step():
+    contract = Contract(_predicted(), tolerance=0.25, warmup=2, speaks=False)
+    for seconds in (1.0, 1.0, 0.012, 0.010, 0.014):
+        contract.record(seconds, {"compute": 0.008, "communication": 0.001, "data": 0.0005})
+    medians = contract.medians()
+    assert medians["step"] == pytest.approx(0.012)
+    assert medians["overhead"] == pytest.approx(0.012 - 0.0095)
+
+
+def test_a_term_off_by_more_than_the_tolerance_warns_once_naming_its_cause(capsys):
+    contract = Contract(_predicted(), tolerance=0.25, warmup=0, speaks=True)
+    for _ in range(30):
+        contract.record(0.015, {"compute": 0.008, "communication": 0.007})  # the link: 3.5x
+        contract.check()
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1, err
+    assert "communication takes 7.00 ms a step, 3.5x the 2.00 ms predicted" in err
+    assert "the link is slower" in err
+    assert off_terms(_predicted(), contract.medians(), 0.25) == ["communication"]
+    assert off_terms(_predicted(), contract.medians(), 0.6) == []  # 5 ms off, 6 ms allowed
+
+
+def test_the_report_holds_the_rank_that_sets_the_pace():
+    rows = [{"step": 0.02, "compute": 0.008, **dict.fromkeys(TERMS[1:], 0.001)},
+            {"step": 0.02, "compute": 0.016, **dict.fromkeys(TERMS[1:], 0.0)}, None]
+    out = report(_predicted(), rows, tolerance=0.25)
+    assert out["measured"] is rows[1] and out["step_error"] == pytest.approx(1.0)
+    assert out["off"] == ["compute"]
+    assert report({"skipped": "run.hardware=none"}, [None], tolerance=0.25)["predicted"] == {
+        "skipped": "run.hardware=none"}
+
+
+def test_the_prediction_is_written_once_and_a_failure_never_stops_the_run(tmp_path, capsys):
+    cfg = load_config(None, [*SMALL, "run.hardware=a100-ib-hdr"])
+    first = load_or_predict(tmp_path, cfg, 2, 1)
+    assert first["plan"] == "dp2 wait_free" and first["hardware"] == "a100-ib-hdr"
+    assert sum(first["terms"].values()) == pytest.approx(first["step_seconds"])
+    assert len(first["peak_memory_bytes_per_rank"]) == 2
+    assert json.loads((tmp_path / "prediction.json").read_text()) == first
+    again = load_or_predict(tmp_path, load_config(None, [*SMALL, "run.hardware=none"]), 2, 1)
+    assert again == first  # a restarted run keeps the prediction it made before its first step
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "hw.yaml").write_text("name: [")
+    out = load_or_predict(broken, load_config(None, [*SMALL, f"run.hardware={broken / 'hw.yaml'}"]), 2, 1)
+    assert "error" in out and "no prediction of this run" in capsys.readouterr().err
+
+
+def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PARALOOM_HARDWARE")
+    assert machine_profile.resolve_hardware("auto", 1) is None  # not calibrated yet
+    made = []
+    monkeypatch.setattr("paraloom.perfmodel.calibrate.calibrate",
+                        lambda **kw: made.append(kw) or (load_hardware("a100-ib-hdr"), {}))
+    path = machine_profile.calibrate_once(1, progress=lambda _: None)
+    assert path == machine_profile.cached_path(1) and path.is_file() and len(made) == 1
+    assert machine_profile.calibrate_once(1, progress=lambda _: None) == path and len(made) == 1  # once
+    assert machine_profile.resolve_hardware("auto", 1).name == "a100-ib-hdr"
+    assert machine_profile.resolve_hardware("auto", 2) is None  # another thread count: another profile
+    monkeypatch.setenv("PARALOOM_HARDWARE", "none")
+    assert machine_profile.resolve_hardware("auto", 1) is None
+    assert machine_profile.calibrate_once(1, progress=lambda _: None) is None
+
+
+def _run(rank, world, run_dir, sets):
+    cfg = load_config(None, [*SMALL, *sets])
+    return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
+
+
+def test_a_run_measures_its_terms_beside_the_prediction_it_wrote_first(tmp_path):
+    profile = tmp_path / "hw.yaml"
+    hw = load_hardware("a100-ib-hdr")
+    profile.write_text(hw.to_yaml())
+    sets = [f"run.hardware={profile}", "comm.compressor=fp16"]
+    summary = run_workers(_run, 2, tmp_path, sets, timeout=120)[0]
+    contract = summary["contract"]
+    predicted = json.loads((tmp_path / "prediction.json").read_text())
+    assert contract["predicted"] == predicted and predicted["hardware"] == "a100-ib-hdr"
+    for row in contract["measured_per_rank"]:
+        assert row["compute"] > 0 and row["codec"] > 0 and row["communication"] > 0 and row["data"] > 0
+        assert sum(row[t] for t in TERMS) == pytest.approx(row["step"], rel=0.5)  # medians of each
+    # an A100 runs this MLP hundreds of times faster than one CPU thread: compute is named
+    assert "compute" in contract["off"] and contract["step_error"] > 1
+
+
+def test_train_calibrates_on_first_use_and_prints_both_columns(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PARALOOM_HARDWARE"}
+    env["PARALOOM_CACHE_DIR"] = str(tmp_path / "cache")
+    cached = tmp_path / "cache" / os.path.basename(machine_profile.cached_path(1))
+    cached.parent.mkdir()
+    cached.write_text(load_hardware("a100-ib-hdr").to_yaml())  # as if calibrated before: no 15 s here
+    sets = [a for s in [*SMALL, f"run.out_dir={tmp_path}", "run.name=r"] for a in ("--set", s)]
+    done = subprocess.run([sys.executable, "-m", "paraloom", "train", "--nproc", "2", *sets],
+                          capture_output=True, text=True, timeout=240, env=dict(env, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "predicted (a100-ib-hdr) and measured" in done.stdout and "communication" in done.stdout
+    assert "paraloom: warning: compute takes" in done.stderr  # once, from rank 0
+    assert done.stderr.count("warning: compute takes") == 1
