@@ -4,8 +4,9 @@
 
 Model: a layered MLP on digits, 8.47M parameters (9 hidden layers of 1024; 34 MB of fp32
 gradients), SGD with momentum, 25 MB buckets for DDP and paraloom alike. Variants: torch DDP
-(as is, and with gradient_as_bucket_view), paraloom fifo, wait_free, priority, one_step_delay
-and local_sgd (H = 4). Cases (the emulated ones need root):
+(as is, and with gradient_as_bucket_view), paraloom fifo, wait_free, priority, auto (each of
+the three tried for a few steps, the fastest kept: its trials run as warm-up, and the summary
+holds its ratio to the best fixed scheduler per case), one_step_delay and local_sgd (H = 4). Cases (the emulated ones need root):
   (a) balanced: 2 workers on an emulated cluster whose bandwidth is chosen so that one
       all-reduce of all gradients takes as long as a step's computation (global batch 512);
       the bandwidth is calibrated by probes: a first guess from the computation time and the
@@ -66,6 +67,12 @@ def summarize(cases: dict, nodes: int) -> dict:
                          ("ratio_odsgd_vs_waitfree", "one_step_delay")):
         if variant in balanced["seconds"]:
             out[key] = balanced["ratio_vs_wait_free"][variant]
+    fixed = ("fifo", "wait_free", "priority")
+    if "auto" in balanced["seconds"] and all(v in balanced["seconds"] for v in fixed):
+        # comm.scheduler=auto against the best of the three it chooses from, case by case
+        out["ratio_auto_vs_best_fixed"] = {case: c["seconds"]["auto"] / min(c["seconds"][v] for v in fixed)
+                                           for case, c in cases.items()}
+        out["auto_chose"] = {case: c.get("auto_chose") for case, c in cases.items()}
     for variant, base in (("drop_in", "wait_free"), ("priority_drop_in", "priority")):
         if variant in balanced["seconds"] and base in balanced["seconds"]:
             out[f"ratio_{variant}_vs_{base}"] = {case: c["seconds"][variant] / c["seconds"][base]
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", metavar="DIR", help="write Chrome traces of paraloom's variants here")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS + DROP_IN)} (wait_free always runs)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant in turn (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant in turn (median)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     variants = tuple(dict.fromkeys(["wait_free", *args.variants.split(",")]))

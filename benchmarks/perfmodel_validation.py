@@ -18,7 +18,10 @@
    the median step (tensor and pipeline), all workers' throughput (parameter server).
 3. Report per configuration the predicted and measured step time and the relative error; per
    group (same model, workers and link) whether the predicted fastest is the measured fastest
-   (or within 5% of it).
+   (or within 5% of it); each run's own prediction, written before its first step from the
+   refined profile (`run.hardware`); and the white box (the calibration's profile before any
+   refinement), the grey box (its terms scaled by factors fitted to the other configurations)
+   and the black box (a regression fitted to them), leave-one-out (`perfmodel/fitted.py`).
 """
 
 from __future__ import annotations
@@ -144,6 +147,8 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
 def predict(report: dict[str, Any]) -> dict[str, Any]:
     """Predictions from the stored hardware profiles and configs; errors, groups and the summary."""
     from paraloom.config import Config
+    from paraloom.perfmodel.contract import predicted_terms
+    from paraloom.perfmodel.fitted import leave_one_out
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.hardware import Hardware
     from paraloom.perfmodel.profile import profile_model
@@ -151,16 +156,21 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
 
     profiles = {rate: Hardware.from_yaml(yaml.safe_dump(h["profile"]))
                 for rate, h in report["hardware"].items()}
+    whites = {rate: Hardware.from_yaml(yaml.safe_dump(h["white_profile"]))
+              for rate, h in report["hardware"].items() if "white_profile" in h}
     for c in report["configs"]:
         config = c["config"]
         ps_run = config.get("parallel", {}).get("mode") == "ps"
         if ps_run and "partition_mb" not in config.get("ps", {}):  # recorded before slices: one message
             config = {**config, "ps": {**config.get("ps", {}), "partition_mb": 1e6}}
         what = predictable(Config.from_dict(config), c["workers"])
-        e = estimate(profile_model(what.spec, recompute=what.recompute), profiles[c["rate"]], what.plan,
-                     what.global_batch, what.options)
+        profile = profile_model(what.spec, recompute=what.recompute)
+        e = estimate(profile, profiles[c["rate"]], what.plan, what.global_batch, what.options)
         c.update({"plan": what.plan.label(), "predicted_s": e.step_s,
                   "rel_err": e.step_s / c["measured_s"] - 1, "breakdown": e.breakdown})
+        if c["rate"] in whites:  # the micro-benchmarks' profile alone, for the white box's score
+            w = estimate(profile, whites[c["rate"]], what.plan, what.global_batch, what.options)
+            c.update(white_predicted_s=w.step_s, white_terms=predicted_terms(w))
     report["groups"] = {}
     for group in dict.fromkeys(c["group"] for c in report["configs"]):
         rows = [c for c in report["configs"] if c["group"] == group]
@@ -179,6 +189,13 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
            if "self_predicted_s" in c]
     if own:  # each run's prediction of itself, written before its first step
         report["summary"].update(self_median_abs_err=statistics.median(own), self_max_abs_err=max(own))
+    runs = [{"config": c["config"], "world_size": c["workers"], "measured": {"step": c["measured_s"]},
+             "predicted": {"step_seconds": c["white_predicted_s"], "terms": c["white_terms"]}}
+            for c in report["configs"] if "white_terms" in c]
+    if runs:  # white, grey and black boxes, each configuration predicted from the others
+        boxes = leave_one_out(runs)
+        report["boxes"] = boxes
+        report["summary"]["leave_one_out"] = {box: boxes[box] for box in ("white", "grey", "black")}
     return report
 
 

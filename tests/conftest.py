@@ -1,8 +1,11 @@
 """Shared test setup: torch.testing warmed once for forked ranks; no network namespace outlives the run."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,9 @@ torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 # runs predict themselves only where a test asks (run.hardware=...): pricing every run would cost the
 # suite minutes, and calibrating this machine on first use 15 s a process
 os.environ["PARALOOM_HARDWARE"] = "none"
+# and the history of runs (`paraloom history`) and cached profiles go to a folder of the test session's
+os.environ["PARALOOM_CACHE_DIR"] = tempfile.mkdtemp(prefix="paraloom-test-cache-")
+atexit.register(shutil.rmtree, os.environ["PARALOOM_CACHE_DIR"], ignore_errors=True)
 
 # ask NVML whether a GPU is there, without initialising CUDA here: forked workers could not use it after
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")

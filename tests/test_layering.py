@@ -152,7 +152,7 @@ def test_config_offers_exactly_the_names():
         return next(f for f in dataclasses.fields(section) if f.name == key).metadata["choices"]
 
     assert offered(CommConfig, "compressor") == ("none", *choices.COMPRESSORS)
-    assert offered(CommConfig, "scheduler") == choices.SCHEDULERS
+    assert offered(CommConfig, "scheduler") == choices.COMM_SCHEDULERS
     assert offered(ParallelConfig, "mode") == choices.PARALLEL_MODES
     assert offered(ModelConfig, "name") == choices.MODELS
 

@@ -28,6 +28,7 @@ ENGINES = ("bucketed", "naive")  # naive: one blocking all-reduce per tensor (th
 ALL_REDUCE_ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "one_to_all")
 SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an all-gather
 SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order
+COMM_SCHEDULERS = (*SCHEDULERS, "auto")  # auto: each tried for a few steps (data_parallel/auto.py)
 SYNC_MODES = ("sync", "one_step_delay", "local_sgd")  # what engine.step does after backward
 
 # compressor name -> the module of paraloom.compress that implements it (imported on first use)

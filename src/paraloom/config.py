@@ -187,7 +187,7 @@ class CommConfig:
     backend: str = _one_of(*choices.BACKENDS, default="auto")  # auto: nccl on cuda else gloo
     algorithm: str = _one_of(*choices.ALL_REDUCE_ALGORITHMS, default="native")  # gradient all-reduce
     engine: str = _one_of(*choices.ENGINES, default="bucketed")  # naive: one all-reduce per tensor
-    scheduler: str = _one_of(*choices.SCHEDULERS, default="wait_free")  # launch order/time
+    scheduler: str = _one_of(*choices.COMM_SCHEDULERS, default="wait_free")  # launch order; auto: measured
     bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
     first_bucket_mb: float = 1.0  # the first bucket backward fills is small, to start early
     partition_mb: float = 2.0  # priority: tensors are cut into (and small ones merged up to) this size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from paraloom import rules
@@ -38,3 +39,10 @@ def validate_world(cfg: Config, world_size: int) -> None:
     if cfg.run.inject is not None:
         check_faults(parse_faults(cfg.run.inject), world_size)
     rules.check_model_data(cfg.model.name, cfg.data.name)
+
+
+def threads_per_worker(nproc: int) -> int:
+    """The threads each of `nproc` workers on this host gets (as worker.py shares the cores)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))

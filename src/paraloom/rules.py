@@ -11,11 +11,11 @@ from collections.abc import Iterable
 
 from paraloom.choices import (
     ALL_REDUCE_ALGORITHMS,
+    COMM_SCHEDULERS,
     COMPRESSORS,
     DENSITY_COMPRESSORS,
     FIXED_SIZE_COMPRESSORS,
     PARALLEL_MODES,
-    SCHEDULERS,
     SHARDABLE_ALGORITHMS,
     SYNC_MODES,
 )
@@ -43,7 +43,12 @@ def check_dp_options(*, sync: str = "sync", scheduler: str = "wait_free", shard_
                      credit_mb: float = 8.0, compressor: str | None = None) -> None:
     """The data-parallel engine's options (comm.*): each name known, and the combinations built."""
     check_name("comm.sync", sync, SYNC_MODES)
-    check_name("comm.scheduler", scheduler, SCHEDULERS)
+    check_name("comm.scheduler", scheduler, COMM_SCHEDULERS)
+    if scheduler == "auto" and (sync != "sync" or shard_optimizer or (compressor or "none") != "none"
+                                or algorithm != "native"):
+        raise UserError("comm.scheduler=auto picks fifo, wait_free or priority for plain synchronous "
+                        "averaging (comm.sync=sync, native all-reduce, no sharding, no compressor); "
+                        "name a scheduler with these options")
     check_name("comm.algorithm", algorithm, ALL_REDUCE_ALGORITHMS)
     compressor = compressor or "none"
     check_name("comm.compressor", compressor, ("none", *COMPRESSORS))
@@ -138,9 +143,10 @@ def check_recipe(strategy: str, *, clip_norm: float | None, precision: str, guar
     if strategy == "parameter_server" and precision == "fp16":
         raise UserError("the parameter_server strategy does not train at run.precision=fp16 so far (its "
                         "loss scale would differ per worker); use bf16 or fp32")
-    if clip_norm is not None and scheduler == "priority":
+    if clip_norm is not None and scheduler in ("priority", "auto"):
         raise UserError("optim.clip_norm needs every gradient before any update; comm.scheduler=priority "
-                        "updates each layer as its gradients land: use wait_free or fifo")
+                        f"updates each layer as its gradients land (comm.scheduler={scheduler} may pick it): "
+                        "use wait_free or fifo")
     if precision == "fp16" and not guard_nan:
         raise UserError("run.precision=fp16 skips the steps whose scaled gradients overflow through the "
                         "non-finite guard: leave guard.nan=true")
@@ -172,6 +178,9 @@ def check_model_parallel_sync(*, dp: int, sync: str, shard_optimizer: bool, sche
     if sync != "sync" or shard_optimizer:
         raise UserError("tensor and pipeline parallelism run with comm.sync=sync and "
                         "comm.shard_optimizer=false")
+    if scheduler == "auto":
+        raise UserError("comm.scheduler=auto is for data parallelism alone so far; with tensor or pipeline "
+                        "parallelism name fifo, wait_free or priority")
     if dp > 1 and scheduler == "priority" and compressor == "powersgd":
         raise UserError("comm.compressor=powersgd under comm.scheduler=priority needs a whole-world "
                         "data-parallel group; with tensor or pipeline parallelism use wait_free or fifo")

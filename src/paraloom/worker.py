@@ -97,7 +97,7 @@ def run(config: dict[str, Any], run_dir: str | None, started_at: float,
 
 def _threads_per_worker() -> int:
     """Share this node's cores among its workers; a launcher's OMP_NUM_THREADS wins."""
-    from paraloom.perfmodel.machine_profile import threads_per_worker
+    from paraloom.config_world import threads_per_worker
 
     return threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 

@@ -165,6 +165,18 @@ def test_model_parallel_trains_on_one_gpu_under_gloo(tmp_path, grid):
     assert any(key.endswith("weight") for key in state)
 
 
+def test_a_gpu_run_predicts_itself_and_measures_its_peak_memory(tmp_path):
+    sets = [arg for item in [*GPT, "run.device=cuda", "run.hardware=h200-ib-ndr", "optim.max_steps=40"]
+            for arg in ("--set", item)]
+    done, run = _paraloom_train(tmp_path, "--nproc", "1", *sets)
+    assert done.returncode == 0, done.stderr[-8000:]
+    predicted = json.loads((run / "prediction.json").read_text())
+    contract = json.loads((run / "summary.json").read_text())["contract"]
+    assert contract["predicted"] == predicted and predicted["peak_memory_bytes_per_rank"][0] > 0
+    assert contract["measured_peak_memory_bytes_per_rank"][0] > 0 and contract["measured"]["compute"] > 0
+    assert "predicted (h200-ib-ndr) and measured" in done.stdout
+
+
 def test_nccl_refuses_more_ranks_than_gpus_in_one_line(tmp_path):
     gpus = torch.cuda.device_count()  # through NVML (conftest): CUDA stays untouched here
     done, _ = _paraloom_train(tmp_path, "--nproc", str(gpus + 1), "--set", "run.device=cuda",

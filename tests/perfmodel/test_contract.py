@@ -11,7 +11,7 @@ from distributed import run_workers
 from test_strategies import hardware, model
 
 from paraloom.config import load_config
-from paraloom.perfmodel import machine_profile
+from paraloom.perfmodel import calibrate, history, machine_profile
 from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, off_terms, predicted_terms, report
 from paraloom.perfmodel.hardware import load_hardware
 from paraloom.perfmodel.strategies import Options, Plan, estimate
@@ -101,14 +101,14 @@ def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch
     made = []
     monkeypatch.setattr("paraloom.perfmodel.calibrate.calibrate",
                         lambda **kw: made.append(kw) or (load_hardware("a100-ib-hdr"), {}))
-    path = machine_profile.calibrate_once(1, progress=lambda _: None)
+    path = calibrate.calibrate_once(1, progress=lambda _: None)
     assert path == machine_profile.cached_path(1) and path.is_file() and len(made) == 1
-    assert machine_profile.calibrate_once(1, progress=lambda _: None) == path and len(made) == 1  # once
+    assert calibrate.calibrate_once(1, progress=lambda _: None) == path and len(made) == 1  # once
     assert machine_profile.resolve_hardware("auto", 1).name == "a100-ib-hdr"
     assert machine_profile.resolve_hardware("auto", 2) is None  # another thread count: another profile
     monkeypatch.setenv("PARALOOM_HARDWARE", "none")
     assert machine_profile.resolve_hardware("auto", 1) is None
-    assert machine_profile.calibrate_once(1, progress=lambda _: None) is None
+    assert calibrate.calibrate_once(1, progress=lambda _: None) is None
 
 
 def _run(rank, world, run_dir, sets):
@@ -130,6 +130,10 @@ def test_a_run_measures_its_terms_beside_the_prediction_it_wrote_first(tmp_path)
         assert sum(row[t] for t in TERMS) == pytest.approx(row["step"], rel=0.5)  # medians of each
     # an A100 runs this MLP hundreds of times faster than one CPU thread: compute is named
     assert "compute" in contract["off"] and contract["step_error"] > 1
+    # and the run joined the history `paraloom history` and `calibrate --from history` read
+    mine = [r for r in history.read() if r["run_dir"] == str(tmp_path.resolve())]
+    assert len(mine) == 1 and mine[0]["predicted"] == predicted
+    assert mine[0]["measured"] == contract["measured"]
 
 
 def test_train_calibrates_on_first_use_and_prints_both_columns(tmp_path):

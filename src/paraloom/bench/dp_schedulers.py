@@ -8,14 +8,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "one_step_delay", "local_sgd")
-# ddp_view: DDP with gradient_as_bucket_view; the last three are paraloom's engine with
-# comm.scheduler=priority, comm.sync=one_step_delay, comm.sync=local_sgd (H = 4). On request:
+VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_step_delay", "local_sgd")
+# ddp_view: DDP with gradient_as_bucket_view; the last four are paraloom's engine with
+# comm.scheduler=priority, comm.scheduler=auto (its trials run before the timed steps, as more
+# warm-up), comm.sync=one_step_delay, comm.sync=local_sgd (H = 4). On request:
 # drop_in and priority_drop_in run wait_free and priority through DDP's own loop
 # (zero_grad(); backward(); optimizer.step(), priority's optimizer a DistributedOptimizer)
 DROP_IN = ("drop_in", "priority_drop_in")
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
-                 "priority": {"scheduler": "priority"}, "one_step_delay": {"sync": "one_step_delay"},
+                 "priority": {"scheduler": "priority"}, "auto": {"scheduler": "auto"},
+                 "one_step_delay": {"sync": "one_step_delay"},
                  "local_sgd": {"sync": "local_sgd", "local_steps": 4},
                  "drop_in": {"scheduler": "wait_free"}, "priority_drop_in": {"scheduler": "priority"}}
 
@@ -80,17 +82,19 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from paraloom.data import ShardedBatches, load_dataset
+    from paraloom.data_parallel.auto import TRIAL_STEPS
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     split = load_dataset("digits")
     batches = ShardedBatches(len(split.y_train), options["batch"], rank=rank, world=world, seed=0)
-    order = [idx for e in range(100) for idx, _ in batches.epoch(e)][: options["warmup"] + options["steps"]]
+    longest = options["warmup"] + TRIAL_STEPS  # auto's trials, then the usual warm-up
+    order = [idx for e in range(100) for idx, _ in batches.epoch(e)][: longest + options["steps"]]
 
-    def timed(step_fn, finish=None, timeline=None, trace_path=None) -> float:
+    def timed(step_fn, finish=None, timeline=None, trace_path=None, warmup: int = options["warmup"]) -> float:
         """Mean step time of `steps` back-to-back steps after `warmup` untimed ones, slowest rank."""
-        for idx in order[: options["warmup"]]:
+        for idx in order[:warmup]:
             step_fn(split.x_train[idx], split.y_train[idx])
         if finish is not None:
             finish()
@@ -98,7 +102,7 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
         if timeline is not None:
             timeline.active = True
         start = time.perf_counter()
-        for idx in order[options["warmup"]:]:
+        for idx in order[warmup:warmup + options["steps"]]:
             step_fn(split.x_train[idx], split.y_train[idx])
         if finish is not None:
             finish()
@@ -129,12 +133,17 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
             traced = bool(options.get("trace_dir")) and round_index == options["rounds"] - 1
             step, engine, timeline, trace_path = _variant(options, variant, rank, traced)
             finish = None if variant.startswith("ddp") else engine.finish
-            samples.setdefault(variant, []).append(timed(step, finish, timeline, trace_path))
+            warmup = longest if variant == "auto" else options["warmup"]
+            samples.setdefault(variant, []).append(timed(step, finish, timeline, trace_path, warmup))
+            if variant == "auto":  # which one it settled on, round by round
+                samples.setdefault("auto_chose", []).append(engine.auto.chosen["scheduler"])
             if not variant.startswith("ddp"):
                 engine.close()
+    chose = samples.pop("auto_chose", None)
     results = {name: statistics.median(times) for name, times in samples.items()}
     dist.destroy_process_group()
-    return {"world_size": world, "params": n_params, "seconds": results}
+    out = {"world_size": world, "params": n_params, "seconds": results}
+    return {**out, "auto_chose": chose} if chose else out
 
 
 def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, batch: int = 64,

@@ -27,6 +27,7 @@ app.add_typer(cluster.cluster_app, name="cluster")
 app.add_typer(bench.bench_app, name="bench")
 app.command()(perf.plan)
 app.command()(perf.calibrate)
+app.command()(perf.history)
 
 
 def main(argv: list[str] | None = None) -> int:

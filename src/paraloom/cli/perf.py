@@ -57,7 +57,8 @@ def calibrate(
     devices_per_node: Annotated[int, typer.Option(help="workers per node the profile describes")] = 1,
     threads: Annotated[int, typer.Option(help="threads per worker while measuring compute")] = 1,
     from_: Annotated[list[Path] | None, typer.Option(
-        "--from", metavar="RUN_DIR", help="refine --hardware from measured runs (repeatable)")] = None,
+        "--from", metavar="RUN_DIR", help="refine --hardware from measured runs (repeatable; `history`: "
+                                          "every run of `paraloom history` still on disk)")] = None,
     hardware: Annotated[str | None, typer.Option(help="the profile --from refines (preset or YAML)")] = None,
     group_sizes: Annotated[str | None, typer.Option(
         metavar="N,N", help="with an emulated cluster, also measure the all-reduce among N emulated nodes "
@@ -86,7 +87,7 @@ def calibrate(
     if from_:
         if hardware is None:
             raise UserError("--from refines a profile: name it with --hardware FILE")
-        hw, points = cal.refine(load_hardware(hardware), from_)
+        hw, points = cal.refine(load_hardware(hardware), _run_dirs(from_))
         for p in points:
             console.print(f"{p['run']}: measured {p['measured_s'] * 1e3:.1f} ms/step, "
                           f"predicted before {p['predicted_s'] * 1e3:.1f} ms")
@@ -107,6 +108,61 @@ def calibrate(
                   f"memory {d.mem_bandwidth / 1e9:.1f} GB/s, "
                   f"intra {hw.intra.bandwidth / 1e6:.0f} MB/s + {hw.intra.latency * 1e6:.0f} us, "
                   f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us -> {out}")
+
+
+def _run_dirs(given: list[Path]) -> list[Path]:
+    """--from's run directories; the word `history` stands for every finished run the history lists."""
+    from paraloom.perfmodel import history
+
+    out = []
+    for item in given:
+        if str(item) != "history":
+            out.append(item)
+            continue
+        found = history.finished_run_dirs(history.read())
+        if not found:
+            raise UserError(f"--from history: {history.history_path()} lists no run directory still on disk")
+        out += found
+    return out
+
+
+def history(
+    last: Annotated[int, typer.Option(help="rows to show, newest last")] = 20,
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="write the history and the scores here")] = None,
+) -> None:
+    """Past runs: what each predicted of itself and measured; white, grey and black boxes scored on them."""
+    import json
+
+    from rich.table import Table
+
+    from paraloom.perfmodel import fitted
+    from paraloom.perfmodel import history as past
+
+    runs = past.read()
+    console = Console()
+    if not runs:
+        console.print(f"no runs yet in {past.history_path()}")
+        return
+    table = Table(title=f"{len(runs)} runs in {past.history_path()}")
+    for column in ("date", "run", "model", "workers", "hardware", "predicted ms", "measured ms", "error"):
+        numbers = "ms" in column or column in ("workers", "error")
+        table.add_column(column, justify="right" if numbers else "left")
+    for run in runs[-last:]:
+        predicted, measured = run.get("predicted") or {}, run.get("measured") or {}
+        p, m = predicted.get("step_seconds"), measured.get("step")
+        table.add_row(run["date"], Path(run["run_dir"]).name, run["config"].get("model", {}).get("name", "?"),
+                      str(run.get("world_size")), predicted.get("hardware", "-"),
+                      "-" if p is None else f"{p * 1e3:.2f}", "-" if m is None else f"{m * 1e3:.2f}",
+                      "-" if p is None or not m else f"{p / m - 1:+.0%}")
+    console.print(table)
+    scores = fitted.leave_one_out(runs)
+    for box in ("white", "grey", "black"):
+        if scores[box] is not None:
+            console.print(f"{box}: leave-one-out median error {scores[box]['median_abs_err']:.1%}, "
+                          f"max {scores[box]['max_abs_err']:.1%} over {scores['n']} runs")
+    if json_out is not None:
+        json_out.write_text(json.dumps({"runs": runs, "leave_one_out": scores}, indent=1) + "\n")
 
 
 def _calibrate_device(text: str, preset: str | None, inter: str, out: Path, console: Console) -> None:

@@ -83,11 +83,16 @@ def train(
 
             preflight(cfg, world)
         if cfg.run.hardware == "auto":  # the profile the run predicts itself from, measured once
-            from paraloom.perfmodel.machine_profile import calibrate_once, threads_per_worker
+            from paraloom.config_world import threads_per_worker
+            from paraloom.perfmodel.calibrate import calibrate_once
 
             console = Console(stderr=True)
-            calibrate_once(threads_per_worker(cfg.parallel.nproc),
-                           progress=lambda line: console.print(f"paraloom: {line}", highlight=False))
+            try:
+                calibrate_once(threads_per_worker(cfg.parallel.nproc),
+                               progress=lambda line: console.print(f"paraloom: {line}", highlight=False))
+            except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
+                console.print(f"paraloom: note: calibrating this machine failed ({type(exc).__name__}: "
+                              f"{exc}); the run will not predict itself", highlight=False)
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
     print_contract(summary.get("contract"))

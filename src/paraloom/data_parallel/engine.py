@@ -20,22 +20,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paraloom.comm.algorithms import all_reduce
 from paraloom.comm.collectives import CommStats, ThenOnWait, private_group
-from paraloom.comm.executor import CommThread, CreditExecutor, Executor
+from paraloom.comm.executor import CommThread
 from paraloom.comm.policies import CommTask
-from paraloom.comm.schedulers import make_scheduler
 from paraloom.compress import make_compressor
 from paraloom.data_parallel import ddp_args
-from paraloom.data_parallel.bucket import Bucket, Piece, assign_buckets, cut_pieces
+from paraloom.data_parallel.auto import AutoScheduler
+from paraloom.data_parallel.bucket import Bucket, Piece
+from paraloom.data_parallel.configure import configure
 from paraloom.data_parallel.ddp_interface import DDPInterface
 from paraloom.data_parallel.finite import all_finite, not_finite
 from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.data_parallel.states import sync_states
 from paraloom.data_parallel.synchronous import DONE
-from paraloom.data_parallel.updaters import make_updater
 from paraloom.rules import check_dp_options
 
 MB = 2**20
@@ -79,21 +78,12 @@ class DataParallel(DDPInterface, nn.Module):
         self.algorithm = algorithm
         self.stats = given["stats"] if given["stats"] is not None else CommStats()
         self.timeline = given["timeline"]
-        self.policy = make_scheduler(scheduler)
-        self.comm_group = group
-        if scheduler == "priority":
-            # launch times follow each rank's own progress, so the engine's collectives get a
-            # group of their own: they can never interleave differently with the caller's
-            self.comm_group = given["comm_group"] or private_group(group)
-            if compressor == "powersgd":  # its second rounds are issued by the waiting thread
-                self.compressor.second_group = private_group(group)
-            self._executor = CreditExecutor(self.policy, int(o["credit_mb"] * MB))
-        else:
-            self._executor = Executor(self.policy)
+        self._options, self._given_comm_group, self._private = o, given["comm_group"], None
         self._thread = CommThread() if algorithm != "native" and self.world_size > 1 else None
         self._nonfinite: torch.Tensor | None = None  # set by guard_nonfinite(): a flag the grad hooks raise
         self._guard_group: dist.ProcessGroup | None = None
         self._guard_sums = False  # guard_nonfinite() on the averaged gradients, without a flag
+        self._guard_asked: tuple | None = None  # guard_nonfinite()'s arguments, once called
         self._sync = True  # False inside no_sync()
         self.reduce_in_backward = True  # the updater turns this off for steps without gradient traffic
         self.copies = 0  # gradients that arrived outside their bucket and had to be copied in
@@ -107,33 +97,13 @@ class DataParallel(DDPInterface, nn.Module):
         self._stepping = 0  # > 0 while the engine drives the optimizer (plain step() is refused otherwise)
         self._sync_buffers_next = True  # DDP's require_forward_param_sync
         sync_states(module, group, ddp["init_sync"], ddp["init_sync_buffers"])
-        params = [p for p in module.parameters() if p.requires_grad][::-1]  # ~ backward order
-        caps = (o["bucket_mb"], o["first_bucket_mb"])
-        if scheduler == "priority":  # small tensors merge up to a partition; large ones are cut
-            caps = (o["partition_mb"], o["partition_mb"])
-        groups = assign_buckets([(p.numel() * p.element_size(), p.dtype) for p in params],
-                                int(caps[0] * MB), int(caps[1] * MB))
-        pad_to = self.world_size if o["shard_optimizer"] else 1
-        self.buckets = [Bucket.build(i, [params[j] for j in members], pad_to=pad_to)
-                        for i, members in enumerate(groups)]
-        piece_mb = o["partition_mb"] if scheduler == "priority" else None
-        self.pieces = cut_pieces(self.buckets, int(piece_mb * MB) if piece_mb else None)
-        self.n_pieces = sum(len(p) for p in self.pieces)
-        self._slot = {}
-        self.hooks = []  # removed by close(), so a closed engine leaves the model as it found it
-        for bucket in self.buckets:
-            for slot, p in enumerate(bucket.params):
-                self._slot[p] = (bucket, slot)
-                bucket.bind(slot)
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self.updater = make_updater(self, **{k: o[k] for k in ("sync", "scheduler", "shard_optimizer",
-                                                               "local_steps", "local_warmup", "credit_mb",
-                                                               "delay_lr")})
-        if not self.updater.plain_optimizer_step:
-            self.hooks.append(register_optimizer_step_pre_hook(self._refuse_plain_step))
-        if self.updater.lands_on_read:  # deferred updates land before anyone reads the state dict
-            self.hooks.append(module.register_state_dict_pre_hook(lambda *_: self.finish()))
-        self._reset()
+        self.params = [p for p in module.parameters() if p.requires_grad][::-1]  # ~ backward order
+        # removed by close(), so a closed engine leaves the model as it found it
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._updater_hooks: list = []
+        self._executor = None
+        self.auto = AutoScheduler(self) if scheduler == "auto" else None  # it starts with wait_free
+        configure(self, "wait_free" if scheduler == "auto" else scheduler)
 
     def forward(self, *args, **kwargs):
         self._pre_forward()
@@ -291,6 +261,8 @@ class DataParallel(DDPInterface, nn.Module):
         here when not given, a second group over the same ranks, so the flag never interleaves with
         the engine's own collectives): a blocking collective per step, and a barrier before it.
         """
+        self._guard_asked = (group,)  # comm.scheduler=auto asks again for the scheduler it settles on
+        self._guard_sums, self._nonfinite = False, None
         carried = self.compressor is None or getattr(self.compressor, "carries_nonfinite", False)
         if group is None and self.updater.guards_on_sums and carried:
             self._guard_sums = True
@@ -298,7 +270,7 @@ class DataParallel(DDPInterface, nn.Module):
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.buckets[0].buffer.device
                                       if self.buckets else None)
         if self.world_size > 1:
-            self._guard_group = group if group is not None else private_group(self.group)
+            self._guard_group = group if group is not None else self._guard_group or private_group(self.group)
 
     def gradients_finite(self) -> bool:
         """Whether every gradient bucket holds only finite values (`finite.all_finite`)."""
@@ -311,18 +283,24 @@ class DataParallel(DDPInterface, nn.Module):
         Returns False when the non-finite guard (`guard_nonfinite`) skipped the step.
         """
         with self.stepping():
-            if self._guard_sums:
-                return self.updater.step_if_finite(optimizer)
-            if self._nonfinite is not None:
-                flag = self._nonfinite.to(torch.uint8)
-                self._nonfinite.zero_()
-                if self._guard_group is not None:
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._guard_group)
-                if flag.item():
-                    self.skip_step()
-                    return False
-            self.updater.step(optimizer)
-            return True
+            stepped = self._guarded_step(optimizer)
+        if self.auto is not None:  # comm.scheduler=auto: timing its trials, or switching between them
+            self.auto.after_step()
+        return stepped
+
+    def _guarded_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._guard_sums:
+            return self.updater.step_if_finite(optimizer)
+        if self._nonfinite is not None:
+            flag = self._nonfinite.to(torch.uint8)
+            self._nonfinite.zero_()
+            if self._guard_group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._guard_group)
+            if flag.item():
+                self.skip_step()
+                return False
+        self.updater.step(optimizer)
+        return True
 
     @torch.no_grad()
     def skip_step(self) -> None:
@@ -381,9 +359,9 @@ class DataParallel(DDPInterface, nn.Module):
     def close(self) -> None:
         with contextlib.suppress(Exception), self.stepping():
             self.finish()
-        for hook in self.hooks:
+        for hook in [*self.hooks, *self._updater_hooks]:
             hook.remove()
-        self.hooks = []
+        self.hooks, self._updater_hooks = [], []
         self._executor.close()
         if self._thread is not None:
             self._thread.close()

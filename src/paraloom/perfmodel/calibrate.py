@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from paraloom.errors import UserError
+from paraloom.perfmodel import machine_profile
 from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_cpu_per_byte
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
@@ -320,3 +322,21 @@ def _measured_and_predicted(run: Path, hw: Hardware):
     what = predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0))
     profile = profile_model(what.spec, recompute=what.recompute)
     return measured_step_seconds(run), estimate(profile, hw, what.plan, what.global_batch, what.options)
+
+
+def calibrate_once(threads: int, progress: Callable[[str], None]) -> Path | None:
+    """This machine's cached profile, measured now (on loopback) if there is none yet; None where
+    `$PARALOOM_HARDWARE` names the profile instead."""
+    path = machine_profile.cached_path(threads)
+    if os.environ.get("PARALOOM_HARDWARE"):
+        return None
+    if path.is_file():
+        return path
+    progress(f"calibrating this machine once (about 15 s), cached in {path}")
+    hw, _ = calibrate(threads=threads, name=f"{socket.gethostname()} (loopback, {threads} threads)",
+                      progress=lambda what: progress(f"  measuring {what}"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".tmp{os.getpid()}")
+    staging.write_text(hw.to_yaml())
+    os.replace(staging, path)  # whole or absent, when two runs calibrate at once
+    return path

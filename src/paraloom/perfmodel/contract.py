@@ -17,6 +17,7 @@ rank 0 warns once per term whose median misses its prediction by more than
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from typing import Any
@@ -52,6 +53,7 @@ def predicted_terms(estimate) -> dict[str, float]:
 
 def predict(cfg, workers: int, hardware) -> dict[str, Any]:
     """The run's predicted step, by term, and peak memory per rank, from `hardware` alone."""
+    from paraloom.choices import SCHEDULERS
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.profile import profile_model
     from paraloom.perfmodel.strategies import estimate
@@ -59,8 +61,12 @@ def predict(cfg, workers: int, hardware) -> dict[str, Any]:
     what = predictable(cfg, workers)
     dtype = cfg.run.precision
     profile = profile_model(what.spec, dtype=dtype, recompute=what.recompute)
-    est = estimate(profile, hardware, what.plan, what.global_batch, what.options)
-    plan = what.plan
+    plans = [what.plan]
+    if cfg.comm.scheduler == "auto":  # the run keeps the fastest it measures: the model's fastest, priced
+        plans = [dataclasses.replace(what.plan, scheduler=name) for name in SCHEDULERS]
+    est = min((estimate(profile, hardware, p, what.global_batch, what.options) for p in plans),
+              key=lambda e: e.step_s)
+    plan = est.plan
     per_rank = [est.memory_per_stage[_stage_of(rank, plan)] for rank in range(plan.dp * plan.tp * plan.pp)]
     return {"hardware": hardware.name, "plan": plan.label(), "model": what.spec,
             "step_seconds": est.step_s, "terms": predicted_terms(est),

@@ -47,7 +47,8 @@ def predictable(cfg: Config, world: int) -> Predictable:
     micro = 1 if par.mode == "layers" else par.microbatches
     micro = cfg.optim.accumulate if pp == 1 and micro == 1 and par.mode != "ps" else micro
     plan = Plan(dp=dp, tp=tp, pp=pp, microbatches=micro, schedule=par.schedule if pp > 1 else "1f1b",
-                virtual_stages=par.virtual_stages if interleaved else 1, scheduler=comm.scheduler,
+                virtual_stages=par.virtual_stages if interleaved else 1,
+                scheduler="wait_free" if comm.scheduler == "auto" else comm.scheduler,  # auto: contract.py
                 sync=comm.sync if comm.sync != "local_sgd" else "sync",
                 compressor=comm.compressor, algorithm=comm.algorithm,
                 servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-THRESHOLD = 0.3  # of the peers' median step
+THRESHOLD = 0.3  # of the peers' median of the same time (compute + input, or communication)
+FLOOR = 0.05  # and at least this share of their median step: noise on tiny terms is no straggler
 CHECKS = 3  # consecutive checks a rank must lag in
 FIELDS = ("key", "compute", "data", "communication", "step")
 NAMES = {"compute": "compute", "data": "input", "communication": "link"}
@@ -37,11 +38,11 @@ def lagging(rows: list[dict[str, float]]) -> dict[int, tuple[str, float]]:
             continue
         median = {f: statistics.median(rows[p][f] for p in peers) for f in FIELDS[1:]}
         excess = {term: row[term] - median[term] for term in ("compute", "data", "communication")}
-        bound = THRESHOLD * max(median["step"], 1e-9)
-        if excess["compute"] + excess["data"] > bound:
+        floor = FLOOR * median["step"]
+        if excess["compute"] + excess["data"] > max(THRESHOLD * (median["compute"] + median["data"]), floor):
             term = max(("compute", "data"), key=excess.get)
             own[r] = (NAMES[term], (excess["compute"] + excess["data"]) / median["step"])
-        elif excess["communication"] > bound:
+        elif excess["communication"] > max(THRESHOLD * median["communication"], floor):
             link[r] = (NAMES["communication"], excess["communication"] / median["step"])
     return own or link  # peers that wait for a slow rank communicate longer: not their link's fault
 

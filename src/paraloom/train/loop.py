@@ -23,6 +23,7 @@ from paraloom.config import Config
 from paraloom.config_faults import parse_faults
 from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
 from paraloom.errors import UserError
+from paraloom.perfmodel import history
 from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
@@ -288,10 +289,15 @@ class Loop:
         keys = ("step", *TERMS)
         mine = self.contract.medians()
         values = [mine[k] for k in keys] if mine else [float("nan")] * len(keys)  # nan: no step measured
-        rows = gather_floats(values, self.strategy.group)
-        per_rank = [None if row[0] != row[0] else dict(zip(keys, row, strict=True)) for row in rows.tolist()]
-        return report(self.contract.given, per_rank,
-                      tolerance=self.cfg.run.contract_tolerance)
+        # a GPU's peak is what torch allocated; a CPU process's resident memory holds the interpreter too
+        cuda = self.device.type == "cuda"
+        peak = float(torch.cuda.max_memory_allocated(self.device)) if cuda else float("nan")
+        rows = gather_floats([*values, peak], self.strategy.group).tolist()
+        per_rank = [None if row[0] != row[0] else dict(zip(keys, row[:-1], strict=True)) for row in rows]
+        out = report(self.contract.given, per_rank, tolerance=self.cfg.run.contract_tolerance)
+        if cuda:
+            out["measured_peak_memory_bytes_per_rank"] = [row[-1] for row in rows]
+        return out
 
     def evaluate_epoch(self) -> None:
         self.operation = "evaluation"
@@ -342,5 +348,6 @@ class Loop:
             if model is not None:
                 save_state(self.run_dir / "model.pt", model)
             write_json(self.run_dir / "summary.json", summary)
+            history.record(self.run_dir, cfg.to_dict(), summary)  # `paraloom history`
         return summary
 

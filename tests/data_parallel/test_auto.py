@@ -1,0 +1,65 @@
+"""comm.scheduler=auto: three schedulers tried on the run's own steps, one kept, the math untouched."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run_workers
+
+from paraloom.config import load_config
+from paraloom.data_parallel import DataParallel
+from paraloom.data_parallel.auto import CANDIDATES, TRIAL_STEPS
+from paraloom.errors import UserError
+from paraloom.models import MLP
+
+STEPS = TRIAL_STEPS + 6
+
+
+def _train(rank, world, scheduler, nan_at=None):
+    torch.manual_seed(0)
+    model = MLP((1, 8, 8), 10, hidden=64, depth=3)
+    engine = DataParallel(model, scheduler=scheduler, bucket_mb=0.01, first_bucket_mb=0.005,
+                          partition_mb=0.005)  # several buckets, priority several partitions
+    engine.guard_nonfinite()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    stepped = []
+    for step in range(1, STEPS + 1):
+        x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+        loss = F.cross_entropy(engine(x), y)
+        (loss * float("nan") if step == nan_at and rank == 1 else loss).backward()
+        stepped.append(engine.step(optimizer))
+    engine.finish()
+    chosen = engine.auto.chosen if engine.auto is not None else None
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.close()
+    return state, chosen, stepped
+
+
+def test_auto_trains_exactly_as_a_fixed_scheduler_and_every_rank_keeps_the_same_one():
+    auto = run_workers(_train, 2, "auto", timeout=120)
+    fixed = run_workers(_train, 2, "wait_free", timeout=120)
+    (state, chosen, _), (other_state, other_chosen, _) = auto
+    assert chosen == other_chosen and chosen["scheduler"] in CANDIDATES
+    assert set(chosen["seconds"]) == set(CANDIDATES) and chosen["scheduler"] == min(
+        chosen["seconds"], key=chosen["seconds"].get)
+    for key, value in fixed[0][0].items():
+        torch.testing.assert_close(state[key], value)
+        torch.testing.assert_close(other_state[key], value)
+
+
+@pytest.mark.parametrize("nan_at", [10, STEPS - 2], ids=["during the trials", "after the choice"])
+def test_the_non_finite_guard_holds_through_every_switch(nan_at):
+    results = run_workers(_train, 2, "auto", nan_at, timeout=120)
+    for _, _, stepped in results:
+        assert [i + 1 for i, ok in enumerate(stepped) if not ok] == [nan_at]
+
+
+@pytest.mark.parametrize(("sets", "match"), [
+    (["comm.compressor=fp16"], "comm.scheduler=auto picks"),
+    (["comm.sync=one_step_delay"], "comm.scheduler=auto picks"),
+    (["optim.clip_norm=1.0"], "comm.scheduler=auto may pick it"),
+    (["parallel.tp=2", "model.name=gpt", "data.name=text"], "data parallelism alone"),
+])
+def test_auto_is_refused_where_it_cannot_choose_freely(sets, match):
+    with pytest.raises(UserError, match=match):
+        load_config(None, ["comm.scheduler=auto", *sets]).validate_world(2)
