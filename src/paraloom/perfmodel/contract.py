@@ -88,20 +88,34 @@ class Contract:
         self.predicted = predicted if predicted is not None and "terms" in predicted else None
         self.tolerance, self.warmup, self.speaks = tolerance, warmup, speaks
         self.rows: list[dict[str, float]] = []
+        self.pending: list[tuple[dict[str, float], tuple]] = []  # rows whose GPU times are not read yet
         self.seen = 0
         self.warned: set[str] = set()
 
-    def record(self, step_seconds: float, terms: dict[str, float]) -> None:
-        """One step's wall time and its measured terms; `overhead` is what they leave of the step."""
+    def record(self, step_seconds: float, terms: dict[str, Any]) -> None:
+        """One step's wall time and its measured terms; `overhead` is what they leave of the step.
+        On a GPU (`gpu_events` among the terms) compute and update are the stream's own times,
+        read once the events have long completed (`medians`)."""
         self.seen += 1
         if self.seen <= self.warmup:
             return
         row = {term: terms.get(term, 0.0) for term in TERMS}
-        row["overhead"] = max(0.0, step_seconds - sum(v for k, v in row.items() if k != "overhead"))
         row["step"] = step_seconds
+        if "gpu_events" in terms:
+            self.pending.append((row, terms["gpu_events"]))
+        else:
+            _rest(row)
         self.rows.append(row)
 
+    def _settle(self) -> None:
+        for row, (start, middle, end) in self.pending:
+            end.synchronize()  # steps ago: long done, unless this is the last step's
+            row["compute"], row["update"] = start.elapsed_time(middle) / 1e3, middle.elapsed_time(end) / 1e3
+            _rest(row)
+        self.pending.clear()
+
     def medians(self) -> dict[str, float] | None:
+        self._settle()
         if not self.rows:
             return None
         return {key: statistics.median(row[key] for row in self.rows) for key in ("step", *TERMS)}
@@ -116,6 +130,10 @@ class Contract:
             self.warned.add(term)
             print(f"paraloom: warning: {warning(term, self.predicted, measured)}", file=sys.stderr)
         return new
+
+
+def _rest(row: dict[str, float]) -> None:
+    row["overhead"] = max(0.0, row["step"] - sum(row[t] for t in TERMS if t != "overhead"))
 
 
 def off_terms(predicted: dict[str, Any], measured: dict[str, float], tolerance: float) -> list[str]:

@@ -92,6 +92,7 @@ class Loop:
                                          "loss": None, "checkpoint_seconds": 0.0}
         self.epoch_accuracy: list[list[Any]] = []  # [training seconds, test accuracy] after each epoch
         self.operation, self.bad_in_row = "start", 0
+        self.train_peak = 0.0  # bytes a GPU held at most while training (note_peak)
         self.resumed = self.resume()
 
     # ---- checkpoints
@@ -166,6 +167,7 @@ class Loop:
                     self.evaluate_epoch()
                     self.step_end = time.perf_counter()  # evaluating is no step's data loading
             self.train_seconds = time.perf_counter() - self.loop_start - self.eval_seconds
+            self.note_peak()  # training's: the final evaluation's batches are no step's
             if self.timeline is not None:
                 self.timeline.active = False
             self.operation = "final synchronization and evaluation"
@@ -291,7 +293,7 @@ class Loop:
         values = [mine[k] for k in keys] if mine else [float("nan")] * len(keys)  # nan: no step measured
         # a GPU's peak is what torch allocated; a CPU process's resident memory holds the interpreter too
         cuda = self.device.type == "cuda"
-        peak = float(torch.cuda.max_memory_allocated(self.device)) if cuda else float("nan")
+        peak = self.train_peak if cuda else float("nan")
         rows = gather_floats([*values, peak], self.strategy.group).tolist()
         per_rank = [None if row[0] != row[0] else dict(zip(keys, row[:-1], strict=True)) for row in rows]
         out = report(self.contract.given, per_rank, tolerance=self.cfg.run.contract_tolerance)
@@ -299,10 +301,20 @@ class Loop:
             out["measured_peak_memory_bytes_per_rank"] = [row[-1] for row in rows]
         return out
 
+    def note_peak(self, *, count: bool = True) -> None:
+        """Take a GPU's peak memory since the last call into training's (`count=False`: drop it, an
+        evaluation's between epochs)."""
+        if self.device.type == "cuda":
+            if count:
+                self.train_peak = max(self.train_peak, float(torch.cuda.max_memory_allocated(self.device)))
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def evaluate_epoch(self) -> None:
         self.operation = "evaluation"
         began = time.perf_counter()
+        self.note_peak()
         value = self.strategy.epoch_end()
+        self.note_peak(count=False)
         if value is not None:
             self.epoch_accuracy.append([began - self.loop_start - self.eval_seconds, value])
         self.eval_seconds += time.perf_counter() - began

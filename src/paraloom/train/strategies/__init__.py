@@ -138,21 +138,31 @@ class EngineStrategy(Strategy):
         comm = self.stats.take()
         return comm.bytes, comm.seconds
 
-    def comm_mark(self) -> tuple[float, float, float]:
-        """The engine's running comm, encode and decode seconds, for `timed_step`."""
-        return self.stats.seconds, self.stats.encode_seconds, self.stats.decode_seconds
+    def comm_mark(self) -> tuple:
+        """The engine's running comm, encode and decode seconds, for `timed_step`; on a GPU also an
+        event recorded on the stream now (its kernels are timed by events, never by a sync)."""
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return self.stats.seconds, self.stats.encode_seconds, self.stats.decode_seconds, event
 
-    def timed_step(self, began: float, computed: float,
-                   mark: tuple[float, float, float]) -> tuple[bool, dict[str, float]]:
+    def timed_step(self, began: float, computed: float, mark: tuple) -> tuple[bool, dict[str, Any]]:
         """The engine's step after forward and backward (`computed` seconds from `began`, `mark` taken
-        at `began`): (stepped, the step's compute, communication, codec and update seconds)."""
-        stats = self.stats
+        at `began`): (stepped, the step's compute, communication, codec and update seconds; on a GPU,
+        `gpu_events` too: start, backward's end and the step's end on the stream)."""
+        stats, start = self.stats, mark[3]
         waited = stats.seconds - mark[0]  # blocked in communication during backward
+        middle = _event() if start is not None else None
         stepped = self.engine.step(self.optimizer)  # synchronize, update, zero the gradients (bucket views)
-        comm, encode, decode = (now - then for now, then in zip(self.comm_mark(), mark, strict=True))
+        now = self.comm_mark()
+        comm, encode, decode = (a - b for a, b in zip(now[:3], mark[:3], strict=True))
         update = time.perf_counter() - began - computed - (comm - waited)
-        return stepped, {"compute": computed - waited - encode, "communication": comm - decode,
-                         "codec": encode + decode, "update": update}
+        terms = {"compute": computed - waited - encode, "communication": comm - decode,
+                 "codec": encode + decode, "update": update}
+        if start is not None:
+            terms["gpu_events"] = (start, middle, now[3])
+        return stepped, terms
 
     def learning_rate(self) -> float:
         return self.recipe.learning_rate()
@@ -162,3 +172,9 @@ class EngineStrategy(Strategy):
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
