@@ -10,9 +10,9 @@ Cases, each `--runs` times, the slow rank moving from run to run (1, 2, 3, 1, ..
   clean loopback     data parallel, 4 workers, no fault
 Acceptance: the slow rank named within 30 steps with "compute" (slow) or "input" (slow_data) in
 every run; no one named in any clean run. Checks every 10 steps (the default); 80 steps a run.
-The checks' cost is what the runs spent in them (`health_seconds`, the all-gather and the judging)
-over their training time, and, as an A/B, clean runs' throughput with checks against without
-(`run.health_every=0`), interleaved, medians.
+The checks' cost is what the rank that reached them last spent in them (`health_seconds`: the
+all-gather and the judging, no wait for a slower rank) over the training time, and, as an A/B,
+clean runs' throughput with checks against without (`run.health_every=0`), interleaved, medians.
 """
 
 from __future__ import annotations

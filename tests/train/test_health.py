@@ -61,8 +61,8 @@ SETS = ["model.name=mlp", "model.hidden=256", "model.depth=3", "optim.epochs=3",
         "run.health_every=5"]  # 69 steps
 
 
-def _run(rank, world, run_dir, inject):
-    cfg = load_config(None, [*SETS, *([f"run.inject={inject}"] if inject else [])])
+def _run(rank, world, run_dir, inject, extra=()):
+    cfg = load_config(None, [*SETS, *extra, *([f"run.inject={inject}"] if inject else [])])
     return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
 
 
@@ -79,3 +79,12 @@ def test_a_live_run_names_its_straggler_within_three_checks(tmp_path, inject, na
     assert first["step"] <= 5 * (CHECKS + 1)  # three checks, and one more for the first steps' noise
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["stragglers"] for r in logged if "stragglers" in r][0][0] == first
+
+
+def test_a_slow_last_stage_is_named_for_its_compute_not_its_peer_for_waiting(tmp_path):
+    """dp2 x pp2: ranks 2 and 3 hold stage 1 (the last backward there waits for the data-parallel
+    sync inside the stage's own time, which must not count as computing)."""
+    pp = ["parallel.pp=2", "parallel.microbatches=2", "model.depth=4", "optim.epochs=2"]
+    summary = run_workers(_run, 4, tmp_path, "slow:rank=3,factor=3", pp, timeout=240)[0]
+    first = summary["stragglers"][0]
+    assert (first["rank"], first["term"]) == (3, "compute"), summary["stragglers"]

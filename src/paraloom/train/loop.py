@@ -346,8 +346,9 @@ class Loop:
         }
         summary["contract"] = self.contract_report()
         self.health.settle(wait=True)
+        # the checks' own cost: the rank that reached them last waited for no one there
         summary.update(stragglers=self.health.named, health_checks=self.health.checks,
-                       health_seconds=self.health.seconds)
+                       health_seconds=min(self.gather(self.health.seconds)))
         if strategy.loss_scale() is not None:  # fp16: every rank's scale (they back off alike)
             summary["loss_scale_per_rank"] = self.gather(strategy.loss_scale())
         summary.update(strategy.summary())

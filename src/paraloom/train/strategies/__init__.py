@@ -147,10 +147,13 @@ class EngineStrategy(Strategy):
             event.record()
         return self.stats.seconds, self.stats.encode_seconds, self.stats.decode_seconds, event
 
-    def timed_step(self, began: float, computed: float, mark: tuple) -> tuple[bool, dict[str, Any]]:
+    def timed_step(self, began: float, computed: float, mark: tuple,
+                   busy: float | None = None) -> tuple[bool, dict[str, Any]]:
         """The engine's step after forward and backward (`computed` seconds from `began`, `mark` taken
         at `began`): (stepped, the step's compute, communication, codec and update seconds; on a GPU,
-        `gpu_events` too: start, backward's end and the step's end on the stream)."""
+        `gpu_events` too: start, backward's end and the step's end on the stream). A pipeline gives
+        its stages' `busy` seconds (its last backward's wait for the data-parallel sync included):
+        compute is then what they computed, and the rest of `computed` its bubble."""
         stats, start = self.stats, mark[3]
         waited = stats.seconds - mark[0]  # blocked in communication during backward
         middle = _event() if start is not None else None
@@ -160,6 +163,9 @@ class EngineStrategy(Strategy):
         update = time.perf_counter() - began - computed - (comm - waited)
         terms = {"compute": computed - waited - encode, "communication": comm - decode,
                  "codec": encode + decode, "update": update}
+        if busy is not None:
+            own = max(0.0, busy - waited - encode)
+            terms["bubble"], terms["compute"] = max(0.0, terms["compute"] - own), own
         if start is not None:
             terms["gpu_events"] = (start, middle, now[3])
         return stepped, terms

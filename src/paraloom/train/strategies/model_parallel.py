@@ -149,9 +149,7 @@ class ModelParallelStrategy(EngineStrategy):
             loss = part if loss is None else loss + part if part is not None else None
             busy += measured.busy_seconds
             self.peak_activation = max(self.peak_activation, measured.peak_activation_bytes)
-        stepped, terms = self.timed_step(began, time.perf_counter() - began, mark)
-        # what the pipeline ran besides this rank's own work and its data-parallel waits: the bubble
-        terms["bubble"], terms["compute"] = max(0.0, terms["compute"] - busy), busy
+        stepped, terms = self.timed_step(began, time.perf_counter() - began, mark, busy=busy)
         own_skip = recipe.after_step(stepped)
         self.step_seconds.append(time.perf_counter() - began)
         return StepResult(stepped, loss / scale if loss is not None else None, busy, own_skip, terms)
