@@ -46,7 +46,7 @@ def test_pipeline_stages_are_compared_with_their_own_peers_only():
 
 
 def test_a_rank_is_named_once_after_three_checks_in_a_row(capsys):
-    health = Health(10, None, key=0, lockstep=True, speaks=True)
+    health = Health(10, None, key=0, lockstep=True, speaks=True, last_step=100)
     slow = [row(), row(compute=0.030), row()]
     assert health.judge(10, slow) == [] and health.judge(20, [row()] * 3) == []  # a break resets
     named = [health.judge(step, slow) for step in (30, 40, 50, 60)]

@@ -153,7 +153,7 @@ class Loop:
         try:
             self.contract = self.make_contract()
             self.health = Health(cfg.run.health_every, strategy.group, key=strategy.peer_key,
-                                 lockstep=strategy.lockstep, speaks=self.is_main)
+                                 lockstep=strategy.lockstep, speaks=self.is_main, last_step=self.total_steps)
             self.stragglers: list[dict[str, Any]] = []  # named since the last metrics line
             strategy.begin()
             self.logged = (self.step, self.counters["samples"], time.perf_counter())
