@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     on = statistics.median(r["samples_per_second"] for r in report["ab"] if r["health_every"])
     off = statistics.median(r["samples_per_second"] for r in report["ab"] if not r["health_every"])
     summary["ab_throughput_with_over_without"] = on / off
+    pairs = zip(report["ab"][::2], report["ab"][1::2], strict=True)  # (with, without), run back to back
+    summary["ab_paired_ratio_median"] = statistics.median(a["samples_per_second"] / b["samples_per_second"]
+                                                          for a, b in pairs)
     report["summary"] = summary
     console.print(table)
     console.print_json(data=summary)
