@@ -6,7 +6,8 @@ Model: a layered MLP on digits, 8.47M parameters (9 hidden layers of 1024; 34 MB
 gradients), SGD with momentum, 25 MB buckets for DDP and paraloom alike. Variants: torch DDP
 (as is, and with gradient_as_bucket_view), paraloom fifo, wait_free, priority, auto (each of
 the three tried for a few steps, the fastest kept: its trials run as warm-up, and the summary
-holds its ratio to the best fixed scheduler per case), one_step_delay and local_sgd (H = 4). Cases (the emulated ones need root):
+holds its ratio to the best fixed scheduler per case), one_step_delay and local_sgd (H = 4).
+Cases (the emulated ones need root):
   (a) balanced: 2 workers on an emulated cluster whose bandwidth is chosen so that one
       all-reduce of all gradients takes as long as a step's computation (global batch 512);
       the bandwidth is calibrated by probes: a first guess from the computation time and the
