@@ -240,7 +240,9 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
     assert summary["balanced_bandwidth"].endswith("bit")
     for case in report["cases"].values():
         assert set(case["seconds"]) == {"compute", "allreduce", "ddp", "ddp_view", "fifo", "wait_free",
-                                        "priority", "one_step_delay", "local_sgd"}
+                                        "priority", "auto", "one_step_delay", "local_sgd"}
+        assert case["auto_chose"][0] in ("fifo", "wait_free", "priority")
+    assert set(summary["ratio_auto_vs_best_fixed"]) == set(report["cases"])
 
 
 def test_calibration_measures_gloos_all_reduce_per_dtype_on_a_cluster_like_another():
