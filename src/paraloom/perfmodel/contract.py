@@ -17,12 +17,14 @@ rank 0 warns once per term whose median misses its prediction by more than
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import sys
 from typing import Any
 
 MIN_ROWS = 20  # steps measured after warm-up before a median is trusted enough to warn
+WINDOW = 4096  # the medians are the last so many steps' (a long run's memory stays flat)
 TERMS = ("compute", "data", "communication", "codec", "bubble", "update", "overhead")
 CAUSES = {
     "compute": "forward and backward run slower than calibrated: other load on the machine, other threads "
@@ -87,7 +89,7 @@ class Contract:
         self.given = predicted  # as written, a reason in place of the terms where there is none
         self.predicted = predicted if predicted is not None and "terms" in predicted else None
         self.tolerance, self.warmup, self.speaks = tolerance, warmup, speaks
-        self.rows: list[dict[str, float]] = []
+        self.rows: collections.deque[dict[str, float]] = collections.deque(maxlen=WINDOW)
         self.pending: list[tuple[dict[str, float], tuple]] = []  # rows whose GPU times are not read yet
         self.seen = 0
         self.warned: set[str] = set()
@@ -122,9 +124,9 @@ class Contract:
 
     def check(self) -> list[str]:
         """Warn (rank 0, once per term) about terms off by more than the tolerance so far."""
-        measured = self.medians()
-        if not self.speaks or self.predicted is None or measured is None or len(self.rows) < MIN_ROWS:
+        if not self.speaks or self.predicted is None or len(self.rows) < MIN_ROWS:
             return []
+        measured = self.medians()
         new = [t for t in off_terms(self.predicted, measured, self.tolerance) if t not in self.warned]
         for term in new:
             self.warned.add(term)
