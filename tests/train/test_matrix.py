@@ -29,8 +29,11 @@ from paraloom.train import train
 MLP = ["model.name=mlp", "model.hidden=16", "data.name=synthetic", "data.n_samples=256", "data.batch_size=32"]
 GPT = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=1000", "model.d_model=16",
        "model.n_heads=2", "model.n_layers=2", "data.batch_size=8", "optim.name=sgd", "optim.lr=0.1"]
+# 360 test digits, trained to a plateau; the cosine decay settles the last steps, so that ASP/SSP runs
+# land close to one another (5 pairs each of straight and killed runs: SSP 0.903-0.914 with it,
+# 0.905-0.933 at a constant rate; ASP 0.900-0.914 with it)
 DIGITS = ["model.name=mlp", "model.hidden=32", "data.batch_size=64", "optim.epochs=8",
-          "run.checkpoint_every=40"]  # 360 test digits, trained to a plateau: a point means something
+          "optim.schedule=cosine", "run.checkpoint_every=40"]
 FEATURES = ["optim.epochs=2", "run.checkpoint_every=3", "run.eval_every_epoch=true", "run.trace=true",
             "run.trace_steps=2", "run.log_every=2", "run.save_model=true"]
 NAN = "nan:rank=0,step=2"
@@ -156,8 +159,8 @@ def test_every_feature_under_every_strategy(name, killed_runs, tmp_path):
         sent = sum(killed["pushes_sent_per_worker"])
         applied = sum(s["pushes_applied"] + s["dropped"] for s in killed["servers_stats"])
         assert applied == sent
-        # the issue asks for 1 pt; two straight SSP runs already differ by up to 0.84 pt (4 runs:
-        # 0.9109-0.9192 on 359 digits, 3 samples), so one pair is judged at 1 pt plus that spread
+        # the issue asks for 1 pt; runs of one setting already spread over 1.1-1.4 pt (see DIGITS),
+        # so one pair is judged at 1.5 pt
         assert abs(killed["test_accuracy"] - main["test_accuracy"]) <= 0.015
 
 
