@@ -93,9 +93,13 @@ def test_missing_directory_and_binary_files(tmp_path):
 
 def test_world_checks_suggest_a_batch_size():
     cfg = load_config(None, ["data.batch_size=63"])
-    with pytest.raises(UserError, match="cannot be split across 2 workers; .* e.g. 62 or 64"):
-        cfg.validate_world(2)
-    cfg.validate_world(3)
+    cfg.validate_world(2)  # data-parallel workers take near-equal shares, weighted
+    with pytest.raises(UserError, match="gives some of the 64 workers no sample; choose at least 64"):
+        cfg.validate_world(64)
+    tp = load_config(None, ["data.batch_size=63", "model.name=gpt", "data.name=text", "parallel.tp=2"])
+    with pytest.raises(UserError, match="cannot be split across 2 data-parallel replicas; .* e.g. 62 or 64"):
+        tp.validate_world(4)
+    tp.validate_world(6)
     with pytest.raises(UserError, match="model.name=cnn needs image data"):
         load_config(None, ["data.name=synthetic"]).validate_world(1)
 

@@ -208,12 +208,18 @@ def check_model_data(model: str, data: str) -> None:
 
 
 def check_batch_split(*, batch_size: int, dp: int, microbatches: int, model_parallel: bool) -> None:
-    """The global batch splits evenly over data-parallel replicas, and each share into micro-batches."""
+    """Under model parallelism the global batch splits evenly over data-parallel replicas, and each share
+    into micro-batches. Data-parallel workers alone take near-equal shares, their losses weighted by
+    their share (as the short last batch is): any batch of at least one sample per worker."""
+    if not model_parallel:
+        if batch_size < dp:
+            raise UserError(f"data.batch_size={batch_size} gives some of the {dp} workers no sample; "
+                            f"choose at least {dp}")
+        return
     if batch_size % dp:
         below = batch_size // dp * dp
         near = f"{below} or {below + dp}" if below else str(dp)
-        who = "data-parallel replicas" if model_parallel else "workers"
-        raise UserError(f"data.batch_size={batch_size} cannot be split across {dp} {who}; "
+        raise UserError(f"data.batch_size={batch_size} cannot be split across {dp} data-parallel replicas; "
                         f"choose a multiple of {dp}, e.g. {near}")
     if (batch_size // dp) % microbatches:
         raise UserError(f"the per-replica batch of {batch_size // dp} does not split into "

@@ -1,13 +1,13 @@
 """Checkpoint files: atomic folders with checksums, keep-last-k, damaged ones passed over by name."""
 
 import json
+import pickle
+from pathlib import Path
 
-import pytest
 import torch
 from distributed import run_workers
 
 from paraloom.comm.objects import broadcast_text
-from paraloom.errors import UserError
 from paraloom.train.checkpoint import (
     agree_on_checkpoint,
     latest_valid,
@@ -28,11 +28,13 @@ def _save_steps(rank, world, run_dir, steps, keep):
 
 def test_saved_folders_are_whole_and_pruned(tmp_path):
     chosen = run_workers(_save_steps, 2, tmp_path, [10, 20, 30, 40], 3)
-    assert chosen == [40, 40]
+    assert chosen == [(40, 2), (40, 2)]
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert folders == ["step-00000020", "step-00000030", "step-00000040"]  # keep 3, no .tmp left
     manifest = json.loads((step_dir(tmp_path, 40) / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and set(manifest["files"]) == {"rank0.pt", "rank1.pt", "shared.pt"}
+    assert manifest["world_size"] == 2 and manifest["format"] == "dcp"
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "objects-shared.pt",
+                                      "objects-rank0.pt", "objects-rank1.pt"}
     shared, local = load_checkpoint(tmp_path, 40, 1, torch.device("cpu"))
     assert torch.equal(shared["model"], torch.arange(4.0) + 40)
     assert local["rank"] == 1 and torch.equal(local["value"], torch.full((5,), 140.0))
@@ -40,26 +42,50 @@ def test_saved_folders_are_whole_and_pruned(tmp_path):
 
 def test_truncated_latest_is_passed_over_with_its_name(tmp_path, capsys):
     run_workers(_save_steps, 2, tmp_path, [10, 20], 3)
-    damaged = step_dir(tmp_path, 20) / "rank1.pt"
+    damaged = step_dir(tmp_path, 20) / "__1_0.distcp"
     damaged.write_bytes(damaged.read_bytes()[:-7])
-    assert "rank1.pt does not match its checksum" in verify(step_dir(tmp_path, 20))
-    assert latest_valid(tmp_path, 2) == step_dir(tmp_path, 10)
+    assert "__1_0.distcp does not match its checksum" in verify(step_dir(tmp_path, 20))
+    assert latest_valid(tmp_path) == step_dir(tmp_path, 10)
     assert "skipping checkpoint step-00000020" in capsys.readouterr().err
     # a flipped byte (same size) is caught as well; a half-written folder is never considered
-    shared = step_dir(tmp_path, 10) / "shared.pt"
+    shared = step_dir(tmp_path, 10) / "objects-shared.pt"
     data = bytearray(shared.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shared.write_bytes(bytes(data))
     (tmp_path / "checkpoints" / "step-00000030.tmp").mkdir()
-    assert latest_valid(tmp_path, 2) is None
+    assert latest_valid(tmp_path) is None
 
 
 def test_missing_manifest_and_other_world_size(tmp_path):
     run_workers(_save_steps, 2, tmp_path, [10, 20], 3)
     (step_dir(tmp_path, 20) / "manifest.json").unlink()
     assert "manifest.json is missing" in verify(step_dir(tmp_path, 20))
-    with pytest.raises(UserError, match="written by 2 ranks; resume it with 2 workers, not 4"):
-        latest_valid(tmp_path, 4)
+    assert latest_valid(tmp_path) == step_dir(tmp_path, 10)
+
+
+class _Trap:
+    """Unpickling it touches a file: proof that a tampered checkpoint file was read."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_tampered_dcp_metadata_is_never_unpickled(tmp_path):
+    run_workers(_save_steps, 2, tmp_path, [10, 20], 3)
+    marker = tmp_path / "unpickled"
+    (step_dir(tmp_path, 20) / ".metadata").write_bytes(pickle.dumps(_Trap(str(marker))))
+    assert run_workers(_agree, 2, tmp_path) == [(10, 2), (10, 2)]  # passed over, the step before taken
+    assert not marker.exists()
+    shared, local = load_checkpoint(tmp_path, 10, 0, torch.device("cpu"))
+    assert torch.equal(shared["model"], torch.arange(4.0) + 10) and local["step"] == 10
+    assert not marker.exists()
+
+
+def _agree(rank, world, run_dir):
+    return agree_on_checkpoint(run_dir)
 
 
 def _texts(rank, world, text):

@@ -21,11 +21,12 @@ def engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine) -> 
 
 
 def load_engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine,
-                      state: dict[str, Any]) -> None:
-    """Load what `engine_state` gave (its "shared" part as written once, by rank 0)."""
+                      state: dict[str, Any], *, keep_compressor: bool = True) -> None:
+    """Load what `engine_state` gave (its "shared" part as written once, by rank 0); without
+    `keep_compressor` the compressor keeps its fresh state (a resize: residuals were per old rank)."""
     replicas = state if "model" in state else state.get("shared")
     if replicas is None or "model" not in replicas:
         raise RuntimeError("the checkpoint holds no model state")
     model.load_state_dict(replicas["model"])
     optimizer.load_state_dict(replicas["optimizer"])
-    engine.load_comm_state_dict(state["engine"])
+    engine.load_comm_state_dict(state["engine"], keep_compressor=keep_compressor)

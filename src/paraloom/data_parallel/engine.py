@@ -342,10 +342,12 @@ class DataParallel(DDPInterface, nn.Module):
         return {"updater": self.updater.state_dict(),
                 "compressor": state_dict_of(self.compressor) if self.compressor is not None else None}
 
-    def load_comm_state_dict(self, state: dict) -> None:
+    def load_comm_state_dict(self, state: dict, *, keep_compressor: bool = True) -> None:
         from paraloom.compress.state import load_state_of
 
         self.updater.load_state_dict(state["updater"])
+        if not keep_compressor:
+            return
         if (state["compressor"] is None) != (self.compressor is None):
             raise ValueError("the checkpoint's compressor setting differs from this engine's")
         if self.compressor is not None:

@@ -15,6 +15,9 @@ import inspect
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import empty as dtensor_empty
 
 from paraloom.comm.algorithms import reduce_scatter
 from paraloom.data_parallel.synchronous import SyncUpdater
@@ -40,6 +43,7 @@ class ShardedUpdater(SyncUpdater):
             shard.grad = torch.zeros_like(shard)
             self.shards.append(shard)
         self.inner: torch.optim.Optimizer | None = None
+        self._mesh: DeviceMesh | None = None
 
     def check_classic(self) -> None:
         raise RuntimeError("comm.shard_optimizer=true updates in engine.step(optimizer); "
@@ -126,8 +130,36 @@ class ShardedUpdater(SyncUpdater):
         engine.zero_grad()
 
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state."""
-        return {"inner": self.inner.state_dict() if self.inner is not None else None}
+        """This rank's shard of the optimizer state. Every tensor of a shard's length is a DTensor: the
+        shard's block of its bucket's unpadded flat state, so a checkpoint reshards to any size."""
+        if self.inner is None:
+            return {"inner": None}
+        state = self.inner.state_dict()
+        mesh = self.mesh()
+        for i, live in state["state"].items():
+            size, values = self.unpadded(i), dict(live)  # the optimizer's own dicts stay as they are
+            state["state"][i] = values
+            for key, value in live.items():
+                if torch.is_tensor(value) and value.shape == self.shards[i].shape:
+                    begin = min(size, self.engine.rank * value.numel())
+                    local = value[:max(0, min(value.numel(), size - begin))]
+                    values[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                     shape=(size,), stride=(1,))
+        return {"inner": state}
+
+    def unpadded(self, i: int) -> int:
+        """Elements of bucket i's parameters, without the padding to a multiple of the world size."""
+        return sum(p.numel() for p in self.engine.buckets[i].params)
+
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            device = self.shards[0].device.type if self.shards else "cpu"
+            self._mesh = DeviceMesh.from_group(self.engine.group or dist.group.WORLD, device)
+        return self._mesh
+
+    def sharded_target(self, shape: list[int], dtype: torch.dtype) -> DTensor:
+        """An empty DTensor of this world's layout, for a checkpoint's sharded state to load into."""
+        return dtensor_empty(*shape, dtype=dtype, device_mesh=self.mesh(), placements=[Shard(0)])
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -135,7 +167,16 @@ class ShardedUpdater(SyncUpdater):
         n, rank = self.engine.world_size, self.engine.rank
         for bucket, shard in zip(self.engine.buckets, self.shards, strict=True):
             shard.copy_(bucket.param_buffer.view(n, -1)[rank])
-        self._saved_inner = state["inner"]  # loaded once step() has made the inner optimizer
+        inner = state["inner"]
+        if inner is not None:
+            for i, values in inner["state"].items():
+                for key, value in list(values.items()):
+                    if isinstance(value, DTensor):  # this rank's block, padded to the shard's length
+                        padded = self.shards[i].new_zeros(self.shards[i].shape, dtype=value.dtype)
+                        local = value.to_local()
+                        padded[:local.numel()] = local
+                        values[key] = padded
+        self._saved_inner = inner  # loaded once step() has made the inner optimizer
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""

@@ -1,14 +1,17 @@
-"""Checkpoints: atomic, checksummed, keep-last-k, one file per rank where ranks differ.
+"""Checkpoints in torch.distributed.checkpoint (DCP) format: atomic, checksummed, keep-last-k.
 
-Layout: `RUN_DIR/checkpoints/step-00000030/` holding `shared.pt` (model and optimizer, written
-by rank 0 when every rank holds the same), `rank<r>.pt` (each rank's own: communication state,
-RNG states, and model and optimizer where replicas differ) and `manifest.json` (step, world
-size, SHA-256 and size of every file). Ranks write into `step-<8-digit step>.tmp/`, each file
-fsync'ed; rank 0 then hashes what is on disk, writes the manifest, and renames the folder into
-place, so a checkpoint is either whole or absent. Loading verifies every checksum and passes
-over a damaged checkpoint for the previous one, with a warning naming the file. Files load with
-`torch.load(weights_only=True)`. The run directory must be reachable from every rank (one
-machine, or a shared filesystem).
+Layout: `RUN_DIR/checkpoints/step-00000030/` holds DCP's files (`.metadata` and a `.distcp` file
+per rank) with every tensor of the state, `objects-shared.pt` and `objects-rank<r>.pt` with the
+rest of it (state_tree: the skeletons, read with `weights_only=True`), and `manifest.json` (step,
+world size, the run's grid, SHA-256 and size of every file). The shared part (model and optimizer
+where every rank holds the same) is written once, by rank 0; each rank writes its own part
+(communication state, RNG states, and model and optimizer where replicas differ); sharded state
+is saved as DTensors, which DCP reshards when a run of another size loads it. Ranks write into
+`step-<8-digit step>.tmp/`, every file fsync'ed; rank 0 then hashes what is on disk, writes the
+manifest and renames the folder into place, so a checkpoint is either whole or absent. Nothing
+of a checkpoint is read before every checksum matches (DCP's reader unpickles its `.metadata`):
+a damaged checkpoint is passed over for the previous one, with a warning naming the file. The
+run directory must be reachable from every rank (one machine, or a shared filesystem).
 """
 
 from __future__ import annotations
@@ -18,17 +21,23 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from paraloom.errors import UserError
+from paraloom.train import state_tree
 
 FOLDER = "checkpoints"
 MANIFEST = "manifest.json"
-SHARED = "shared.pt"
+SHARED = "objects-shared.pt"
+
+
+def objects_file(rank: int) -> str:
+    return f"objects-rank{rank}.pt"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -36,8 +45,10 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: dict[str, Any] | None,
-                    keep: int, group: dist.ProcessGroup | None = None) -> None:
-    """Collective over `group`: every rank saves `local`; rank 0 also `shared`, then seals."""
+                    keep: int, group: dist.ProcessGroup | None = None,
+                    meta: dict[str, Any] | None = None) -> None:
+    """Collective over `group`: every rank saves `local`; rank 0 also `shared`, then seals.
+    `meta` (rank 0's) goes into the manifest: what a resume at another size must know."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = step_dir(run_dir, step)
     staging = final.with_name(final.name + ".tmp")
@@ -45,14 +56,19 @@ def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: 
         shutil.rmtree(staging, ignore_errors=True)  # left by a run that died while saving
         staging.mkdir(parents=True)
     dist.barrier(group)
-    _write(staging / f"rank{rank}.pt", local)
+    skeleton, tensors = state_tree.split(local, f"rank{rank}")
+    _write(staging / objects_file(rank), skeleton)
     if rank == 0 and shared is not None:
-        _write(staging / SHARED, shared)
+        skeleton, shared_tensors = state_tree.split(shared, "shared")
+        tensors.update(shared_tensors)
+        _write(staging / SHARED, skeleton)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), process_group=group)
     dist.barrier(group)
     if rank != 0:
         return
-    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(staging.glob("*.pt"))}
-    manifest = {"step": step, "world_size": world, "files": files}
+    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(staging.iterdir()) if p.name != MANIFEST}
+    manifest = {"step": step, "world_size": world, "format": "dcp", **(meta or {}), "files": files}
     with open(staging / MANIFEST, "w") as f:
         f.write(json.dumps(manifest, indent=1))
         f.flush()
@@ -115,7 +131,7 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def latest_valid(run_dir: Path, world_size: int) -> Path | None:
+def latest_valid(run_dir: Path) -> Path | None:
     """The newest whole checkpoint of `run_dir`, warning about each damaged one passed over."""
     folder = run_dir / FOLDER
     candidates = sorted((p for p in folder.glob("step-*") if not p.name.endswith(".tmp")),
@@ -125,32 +141,46 @@ def latest_valid(run_dir: Path, world_size: int) -> Path | None:
         if problem is not None:
             print(f"paraloom: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
             continue
-        saved_world = json.loads((path / MANIFEST).read_text())["world_size"]
-        if saved_world != world_size:
-            raise UserError(f"checkpoint {path} was written by {saved_world} ranks; resume it with "
-                            f"{saved_world} workers, not {world_size}")
         return path
     return None
 
 
-def agree_on_checkpoint(run_dir: Path | None, group: dist.ProcessGroup | None = None) -> int | None:
-    """Collective: rank 0 picks the checkpoint to resume from; every rank gets its step (or None)."""
-    step = torch.tensor([-1], dtype=torch.int64)
+def saved_world_size(path: Path) -> int:
+    return int(json.loads((path / MANIFEST).read_text())["world_size"])
+
+
+def agree_on_checkpoint(run_dir: Path | None,
+                        group: dist.ProcessGroup | None = None) -> tuple[int, int] | None:
+    """Collective: rank 0 picks the checkpoint to resume from; every rank gets (its step, the number
+    of ranks that saved it), or None."""
+    found = torch.tensor([-1, 0], dtype=torch.int64)
     if dist.get_rank(group) == 0 and run_dir is not None:
-        found = latest_valid(run_dir, dist.get_world_size(group))
-        if found is not None:
-            step[0] = _step_of(found)
-    dist.broadcast(step, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
-    return None if step.item() < 0 else int(step.item())
+        path = latest_valid(run_dir)
+        if path is not None:
+            found[0], found[1] = _step_of(path), saved_world_size(path)
+    dist.broadcast(found, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    return None if found[0].item() < 0 else (int(found[0]), int(found[1]))
 
 
-def load_checkpoint(run_dir: Path, step: int, rank: int,
-                    device: torch.device) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """(shared part or None, this rank's part) of the checkpoint at `step`."""
+def load_checkpoint(run_dir: Path, step: int, rank: int, device: torch.device,
+                    group: dist.ProcessGroup | None = None, *, source_rank: int | None = None,
+                    make_sharded=None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(shared part or None, rank `source_rank`'s part (default: `rank`'s)) of the checkpoint at `step`.
+
+    Collective over `group` where torch.distributed is set up (DCP plans the reads together);
+    `make_sharded(name, global_shape, dtype)` gives the DTensor a sharded entry loads into."""
     path = step_dir(run_dir, step)
-    shared = None
-    if (path / SHARED).is_file():
-        shared = torch.load(path / SHARED, map_location=device, weights_only=True)
-    local = torch.load(path / f"rank{rank}.pt", map_location=device, weights_only=True)
-    return shared, local
+    shared = _read(path / SHARED) if (path / SHARED).is_file() else None
+    local = _read(path / objects_file(rank if source_rank is None else source_rank))
+    wanted = state_tree.targets(local, device, make_sharded)
+    if shared is not None:
+        wanted.update(state_tree.targets(shared, device, make_sharded))
+    single = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # a single process: meant
+        dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=single)
+    return (None if shared is None else state_tree.join(shared, wanted)), state_tree.join(local, wanted)
 
+
+def _read(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -98,19 +98,35 @@ class Loop:
     # ---- checkpoints
 
     def resume(self) -> int | None:
-        """Load the newest whole checkpoint of the run directory, if any (collective)."""
-        resumed = agree_on_checkpoint(self.run_dir, group=self.strategy.checkpoint_group)
-        if resumed is not None:
-            shared, local = load_checkpoint(self.run_dir, resumed, self.rank, self.device)
+        """Load the newest whole checkpoint of the run directory, if any (collective). One that another
+        number of ranks saved loads where the strategy can carry its state over (resize_refusal)."""
+        group = self.strategy.checkpoint_group
+        found = agree_on_checkpoint(self.run_dir, group=group)
+        resumed = None
+        if found is not None:
+            resumed, saved_world = found
+            world = dist.get_world_size(group)
+            resized = saved_world != world
+            refusal = self.strategy.resize_refusal() if resized else None
+            if refusal is not None:
+                raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by "
+                                f"{saved_world} ranks, this run has {world}: {refusal}")
+            shared, local = load_checkpoint(self.run_dir, resumed, self.rank, self.device, group,
+                                            source_rank=0 if resized else None,
+                                            make_sharded=self.strategy.make_sharded)
             self.step = int(local.pop("step"))
             self.counters.update(local.pop("counters", {}))
             rng = local.pop("rng")
-            self.strategy.load_state_dict({**local, "shared": shared})
+            if resized:
+                self.strategy.load_resized({**local, "shared": shared}, saved_world)
+            else:
+                self.strategy.load_state_dict({**local, "shared": shared})
             torch.set_rng_state(rng["torch"].cpu())
             if self.device.type == "cuda" and "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
             if self.is_main:
-                print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}",
+                size = f" (saved by {saved_world} ranks, resumed on {world})" if resized else ""
+                print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}{size}",
                       file=sys.stderr)
         self.strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
         if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():

@@ -99,6 +99,18 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict` gave (its "shared" part as rank 0 wrote it)."""
 
+    def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """The DTensor, of this run's layout, that a checkpoint's sharded entry `name` loads into."""
+        raise RuntimeError(f"{type(self).__name__} keeps no sharded state, yet the checkpoint holds {name}")
+
+    def resize_refusal(self) -> str | None:
+        """Why this run cannot resume a checkpoint that another number of ranks saved (None: it can)."""
+        return f"{type(self).__name__.removesuffix('Strategy')} runs resume only at the size they saved with"
+
+    def load_resized(self, state: dict[str, Any], saved_world: int) -> None:
+        """Load rank 0's state of a checkpoint that `saved_world` ranks saved (see resize_refusal)."""
+        raise RuntimeError(self.resize_refusal())
+
     def summary(self) -> dict[str, Any]:
         """Summary fields (collective over `group`); they override the loop's."""
         return {}

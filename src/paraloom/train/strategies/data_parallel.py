@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -79,8 +80,26 @@ class DataParallelStrategy(EngineStrategy):
             state["sparse"] = self.sparse.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_engine_state(self.model, self.optimizer, self.engine, state)
+    def resize_refusal(self) -> str | None:
+        if not self.engine.replicas_identical:
+            return (f"comm.sync={self.cfg.comm.sync} keeps replicas that differ between averagings; "
+                    "it resumes only at the size it saved with")
+        return None
+
+    def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return self.engine.updater.sharded_target(shape, dtype)  # the sharded optimizer's state
+
+    def load_resized(self, state: dict[str, Any], saved_world: int) -> None:
+        """Replicas are identical: rank 0's model, optimizer, recipe and pruning state serve every rank;
+        a compressor's residuals (one per old rank) start again from zero."""
+        if state["engine"]["compressor"] and dist.get_rank() == 0:
+            print(f"paraloom: note: comm.compressor={self.cfg.comm.compressor}: its error-feedback state "
+                  f"starts from zero on {self.dp_world_size} ranks (saved by {saved_world})", file=sys.stderr)
+        state["engine"] = {**state["engine"], "compressor": None}
+        self.load_state_dict(state, keep_compressor=False)
+
+    def load_state_dict(self, state: dict[str, Any], *, keep_compressor: bool = True) -> None:
+        load_engine_state(self.model, self.optimizer, self.engine, state, keep_compressor=keep_compressor)
         self.recipe.load_state_dict(state["recipe"])
         if self.sparse is not None:
             self.sparse.load_state_dict(state["sparse"])

@@ -1,0 +1,93 @@
+"""A checkpoint resumes on another number of ranks: same global batch, same next steps."""
+
+import shutil
+
+import pytest
+import torch
+from distributed import run_workers
+
+from paraloom.config import load_config
+from paraloom.train import train
+from paraloom.train.checkpoint import step_dir
+
+BASE = [
+    "model.name=mlp",
+    "model.hidden=16",
+    "data.name=synthetic",
+    "data.n_samples=256",
+    "data.batch_size=32",
+    "optim.name=adam",
+    "optim.lr=0.01",
+    "optim.max_steps=15",
+    "run.checkpoint_every=5",
+    "run.save_model=true",
+]
+
+
+def _run(rank, world, settings, run_dir):
+    cfg = load_config(None, [*BASE, *settings])
+    return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
+
+
+def _model(run_dir):
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def _resume_from(straight, step, out):
+    """A run directory holding only `straight`'s checkpoint of `step`: the steps after it are redone."""
+    out.mkdir()
+    shutil.copytree(step_dir(straight, step), step_dir(out, step))
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        [],
+        ["comm.scheduler=priority"],
+        ["comm.scheduler=fifo"],
+        ["comm.algorithm=tree"],
+        ["comm.shard_optimizer=true"],
+    ],
+    ids=["wait_free", "priority", "fifo", "tree", "shard_optimizer"],
+)
+def test_dp4_checkpoint_goes_on_at_dp2_and_dp3_as_dp4_would(settings, tmp_path, capfd):
+    straight = tmp_path / "dp4"
+    straight.mkdir()
+    run_workers(_run, 4, settings, straight, timeout=120)
+    expected = _model(straight)
+    for world in (2, 3):  # dp3 splits every batch of 32 unevenly (11, 11, 10), weighing each share
+        resumed = _resume_from(straight, 5, tmp_path / f"dp{world}")
+        summaries = run_workers(_run, world, settings, resumed, timeout=120)
+        assert summaries[0]["steps"] == 15
+        got = _model(resumed)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    err = capfd.readouterr().err
+    assert "saved by 4 ranks, resumed on 2" in err and "saved by 4 ranks, resumed on 3" in err
+
+
+def test_differing_replicas_are_refused_on_another_size_in_one_line(tmp_path):
+    settings = ["comm.sync=local_sgd", "comm.local_steps=2"]
+    straight = tmp_path / "dp2"
+    straight.mkdir()
+    run_workers(_run, 2, settings, straight, timeout=120)
+    resumed = _resume_from(straight, 10, tmp_path / "dp3")
+    with pytest.raises(AssertionError, match="saved by 2 ranks, this run has 3: comm.sync=local_sgd keeps"):
+        run_workers(_run, 3, settings, resumed, timeout=120)
+
+
+def test_a_compressed_run_resumes_on_another_size_with_its_residuals_reset(tmp_path, capfd):
+    settings = ["comm.compressor=topk", "comm.density=0.1"]
+    straight = tmp_path / "dp2"
+    straight.mkdir()
+    run_workers(_run, 2, settings, straight, timeout=120)
+    resumed = _resume_from(straight, 10, tmp_path / "dp3")
+    summaries = run_workers(_run, 3, settings, resumed, timeout=120)
+    assert summaries[0]["steps"] == 15 and summaries[0]["skipped_steps"] == 0
+    err = capfd.readouterr().err
+    assert "comm.compressor=topk: its error-feedback state starts from zero on 3 ranks (saved by 2)" in err
+    before, after = _model(straight), _model(resumed)
+    assert all(torch.isfinite(after[k]).all() for k in after) and any(
+        not torch.equal(before[k], after[k]) for k in after
+    )  # steps 11-15 were trained anew
