@@ -63,6 +63,30 @@ def test_missing_manifest_and_other_world_size(tmp_path):
     assert latest_valid(tmp_path) == step_dir(tmp_path, 10)
 
 
+def _save_async(rank, world, run_dir):
+    group = torch.distributed.new_group(backend="gloo")
+    value = torch.full((1000,), float(rank))
+    pending = []
+    for step in (10, 20):
+        shared = {"model": torch.arange(4.0) + step} if rank == 0 else None
+        pending.append(save_checkpoint(run_dir, step, local={"value": value}, shared=shared, keep=3,
+                                       async_group=group))
+        value.add_(1000)  # training goes on at once: the checkpoint holds the values at the save
+        pending[-1].wait()
+    torch.distributed.barrier()
+    return agree_on_checkpoint(run_dir)
+
+
+def test_asynchronous_saves_hold_the_values_at_the_save_and_are_sealed_whole(tmp_path):
+    assert run_workers(_save_async, 2, tmp_path) == [(20, 2), (20, 2)]
+    for step, added in ((10, 0), (20, 1000)):
+        assert verify(step_dir(tmp_path, step)) is None
+        for rank in (0, 1):
+            shared, local = load_checkpoint(tmp_path, step, rank, torch.device("cpu"))
+            assert torch.equal(local["value"], torch.full((1000,), float(rank + added)))
+            assert torch.equal(shared["model"], torch.arange(4.0) + step)
+
+
 class _Trap:
     """Unpickling it touches a file: proof that a tampered checkpoint file was read."""
 

@@ -91,3 +91,21 @@ def test_a_compressed_run_resumes_on_another_size_with_its_residuals_reset(tmp_p
     assert all(torch.isfinite(after[k]).all() for k in after) and any(
         not torch.equal(before[k], after[k]) for k in after
     )  # steps 11-15 were trained anew
+
+
+def test_asynchronous_checkpoints_resume_exactly(tmp_path):
+    settings = ["run.async_checkpoint=true"]
+    straight = tmp_path / "async"
+    straight.mkdir()
+    summary = run_workers(_run, 2, settings, straight, timeout=120)[0]
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == [
+        "step-00000005", "step-00000010", "step-00000015"]
+    assert summary["checkpoint_seconds"] > 0
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    run_workers(_run, 2, [], plain, timeout=120)
+    resumed = _resume_from(straight, 5, tmp_path / "resumed")
+    run_workers(_run, 2, settings, resumed, timeout=120)
+    expected = _model(plain)
+    for run_dir in (straight, resumed):
+        assert all(torch.equal(_model(run_dir)[k], expected[k]) for k in expected)

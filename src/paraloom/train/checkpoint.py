@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,12 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: dict[str, Any] | None,
-                    keep: int, group: dist.ProcessGroup | None = None,
-                    meta: dict[str, Any] | None = None) -> None:
-    """Collective over `group`: every rank saves `local`; rank 0 also `shared`, then seals.
-    `meta` (rank 0's) goes into the manifest: what a resume at another size must know."""
+                    keep: int, group: dist.ProcessGroup | None = None, meta: dict[str, Any] | None = None,
+                    async_group: dist.ProcessGroup | None = None) -> PendingSave | None:
+    """Collective over `group`: every rank saves `local`; rank 0 also `shared`, then seals. `meta`
+    (rank 0's) goes into the manifest. With `async_group` (a gloo group of the same ranks, for DCP's
+    background writes) the tensors are copied and written behind training: the PendingSave's `wait`
+    returns once the checkpoint is sealed, and the next save must wait for it first."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = step_dir(run_dir, step)
     staging = final.with_name(final.name + ".tmp")
@@ -62,10 +65,46 @@ def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: 
         skeleton, shared_tensors = state_tree.split(shared, "shared")
         tensors.update(shared_tensors)
         _write(staging / SHARED, skeleton)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging, sync_files=True), process_group=group)
+    writer = dcp.FileSystemWriter(staging, sync_files=True)
+    seal = (lambda: _seal(staging, final, step, world, meta, keep)) if rank == 0 else None
+    if async_group is not None:  # rank 0's write finishes last: DCP's metadata waits for every rank's files
+        response = dcp.async_save(tensors, storage_writer=writer, process_group=async_group)
+        return PendingSave(getattr(response, "upload_completion", response), seal)
+    dcp.save(tensors, storage_writer=writer, process_group=group)
     dist.barrier(group)
-    if rank != 0:
-        return
+    if seal is not None:
+        seal()
+    return None
+
+
+class PendingSave:
+    """A checkpoint being written behind training; rank 0 seals it as soon as DCP's write is done."""
+
+    def __init__(self, future, seal) -> None:
+        self.future, self.sealed, self.error = future, threading.Event(), None
+        if seal is None:
+            self.sealed.set()
+        else:
+            future.add_done_callback(lambda done: self._seal(done, seal))
+
+    def _seal(self, done, seal) -> None:
+        try:
+            if done.exception() is None:
+                seal()
+        except BaseException as error:  # noqa: BLE001 - raised again by wait(), in the training thread
+            self.error = error
+        finally:
+            self.sealed.set()
+
+    def wait(self) -> None:
+        self.future.result()  # a failed write raises here
+        self.sealed.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def _seal(staging: Path, final: Path, step: int, world: int, meta: dict[str, Any] | None, keep: int) -> None:
+    """Hash what is on disk, write the manifest, and move the folder into place (rank 0)."""
     files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
              for p in sorted(staging.iterdir()) if p.name != MANIFEST}
     manifest = {"step": step, "world_size": world, "format": "dcp", **(meta or {}), "files": files}
@@ -77,7 +116,7 @@ def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: 
         shutil.rmtree(final)
     os.rename(staging, final)
     _fsync_dir(final.parent)
-    _prune(run_dir / FOLDER, keep)
+    _prune(final.parent, keep)
 
 
 def _write(path: Path, obj: dict[str, Any]) -> None:

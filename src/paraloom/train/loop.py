@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import broadcast_text, gather_floats
 from paraloom.config import Config
 from paraloom.config_faults import parse_faults
@@ -27,7 +28,7 @@ from paraloom.perfmodel import history
 from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
-from paraloom.train.checkpoint import agree_on_checkpoint, load_checkpoint, save_checkpoint
+from paraloom.train.checkpoint import PendingSave, agree_on_checkpoint, load_checkpoint, save_checkpoint
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.health import Health
@@ -58,7 +59,11 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     strategy = make_strategy(cfg, data, device=device, timeline=timeline)
     try:
         loop = Loop(cfg, strategy, data, run_dir, device=device, timeline=timeline, started_at=started_at)
-        return strategy.serve(loop.save) if strategy.serves else loop.run()
+        if not strategy.serves:
+            return loop.run()
+        served = strategy.serve(loop.save)
+        loop.drain_saves()
+        return served
     finally:
         strategy.close()
 
@@ -93,6 +98,10 @@ class Loop:
         self.epoch_accuracy: list[list[Any]] = []  # [training seconds, test accuracy] after each epoch
         self.operation, self.bad_in_row = "start", 0
         self.train_peak = 0.0  # bytes a GPU held at most while training (note_peak)
+        self.pending: PendingSave | None = None  # run.async_checkpoint: the checkpoint being written
+        # DCP writes from a thread of its own: its collectives get a gloo group of their own
+        self.async_group = dist.new_group(backend="gloo", timeout=default_timeout()) \
+            if cfg.run.async_checkpoint else None
         self.resumed = self.resume()
 
     # ---- checkpoints
@@ -145,9 +154,19 @@ class Loop:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         local = {"step": step, "counters": dict(self.counters), "rng": rng, **state}
-        save_checkpoint(self.run_dir, step, local=local, shared=shared if self.is_main else None,
-                        keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group)
+        self.drain_saves()  # one checkpoint in flight at most
+        self.pending = save_checkpoint(
+            self.run_dir, step, local=local, shared=shared if self.is_main else None,
+            keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
+            async_group=self.async_group)
         self.counters["checkpoint_seconds"] += time.perf_counter() - began
+
+    def drain_saves(self) -> None:
+        """Wait for the checkpoint being written behind training (run.async_checkpoint), if any."""
+        if self.pending is not None:
+            began, pending, self.pending = time.perf_counter(), self.pending, None
+            pending.wait()
+            self.counters["checkpoint_seconds"] += time.perf_counter() - began
 
     def make_contract(self) -> Contract:
         """The run's prediction of itself (rank 0, before the first step) and this rank's record."""
@@ -182,6 +201,7 @@ class Loop:
                 if cfg.run.eval_every_epoch and self.step > 0:
                     self.evaluate_epoch()
                     self.step_end = time.perf_counter()  # evaluating is no step's data loading
+            self.drain_saves()  # the last checkpoint is whole before the run reports
             self.train_seconds = time.perf_counter() - self.loop_start - self.eval_seconds
             self.note_peak()  # training's: the final evaluation's batches are no step's
             if self.timeline is not None:
