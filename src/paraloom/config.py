@@ -40,7 +40,7 @@ class RunConfig:
     trace_steps: int = 5  # steps traced, starting at the second step
     checkpoint_every: int = 50  # steps between checkpoints (0: only at the end); see train/checkpoint.py
     keep_checkpoints: int = 3  # newest checkpoints kept in runs/<name>/checkpoints
-    async_checkpoint: bool = False  # write checkpoints behind training (DCP's async_save): a copy, then on
+    async_checkpoint: bool = False  # write checkpoints behind training (DCP's async_save of a copy)
     max_restarts: int = 3  # elastic restarts after a worker fails (each resumes from the last checkpoint)
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
     eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy

@@ -63,6 +63,9 @@ def test_dp4_checkpoint_goes_on_at_dp2_and_dp3_as_dp4_would(settings, tmp_path, 
         got = _model(resumed)
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+        resize = summaries[0]["resizes"]
+        assert [(r["step"], r["old_world_size"], r["new_world_size"]) for r in resize] == [(5, 4, world)]
+        assert 0 < resize[0]["seconds_lost"] < 60
     err = capfd.readouterr().err
     assert "saved by 4 ranks, resumed on 2" in err and "saved by 4 ranks, resumed on 3" in err
 

@@ -184,8 +184,12 @@ def latest_valid(run_dir: Path) -> Path | None:
     return None
 
 
+def manifest_of(path: Path) -> dict[str, Any]:
+    return json.loads((path / MANIFEST).read_text())
+
+
 def saved_world_size(path: Path) -> int:
-    return int(json.loads((path / MANIFEST).read_text())["world_size"])
+    return int(manifest_of(path)["world_size"])
 
 
 def agree_on_checkpoint(run_dir: Path | None,

@@ -28,14 +28,15 @@ from paraloom.perfmodel import history
 from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
-from paraloom.train.checkpoint import PendingSave, agree_on_checkpoint, load_checkpoint, save_checkpoint
+from paraloom.train.checkpoint import PendingSave
+from paraloom.train.checkpointing import Checkpoints
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.health import Health
 from paraloom.train.metrics import MetricsLogger, memory_mb, save_state, write_json
 from paraloom.train.progress import TrainProgress
 from paraloom.train.recipe import planned_steps, steps_per_epoch
-from paraloom.train.resume import PROGRESS, ProgressMarker, read_resumes, record_resume
+from paraloom.train.resume import ProgressMarker, read_resumes
 from paraloom.train.strategies import StepResult, Strategy
 from paraloom.train.strategy import make_strategy
 
@@ -68,7 +69,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         strategy.close()
 
 
-class Loop:
+class Loop(Checkpoints):
     """One rank's run: the step loop and everything around it, for any strategy."""
 
     def __init__(self, cfg: Config, strategy: Strategy, data: DataSets, run_dir: Path | None, *,
@@ -103,70 +104,6 @@ class Loop:
         self.async_group = dist.new_group(backend="gloo", timeout=default_timeout()) \
             if cfg.run.async_checkpoint else None
         self.resumed = self.resume()
-
-    # ---- checkpoints
-
-    def resume(self) -> int | None:
-        """Load the newest whole checkpoint of the run directory, if any (collective). One that another
-        number of ranks saved loads where the strategy can carry its state over (resize_refusal)."""
-        group = self.strategy.checkpoint_group
-        found = agree_on_checkpoint(self.run_dir, group=group)
-        resumed = None
-        if found is not None:
-            resumed, saved_world = found
-            world = dist.get_world_size(group)
-            resized = saved_world != world
-            refusal = self.strategy.resize_refusal() if resized else None
-            if refusal is not None:
-                raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by "
-                                f"{saved_world} ranks, this run has {world}: {refusal}")
-            shared, local = load_checkpoint(self.run_dir, resumed, self.rank, self.device, group,
-                                            source_rank=0 if resized else None,
-                                            make_sharded=self.strategy.make_sharded)
-            self.step = int(local.pop("step"))
-            self.counters.update(local.pop("counters", {}))
-            rng = local.pop("rng")
-            if resized:
-                self.strategy.load_resized({**local, "shared": shared}, saved_world)
-            else:
-                self.strategy.load_state_dict({**local, "shared": shared})
-            torch.set_rng_state(rng["torch"].cpu())
-            if self.device.type == "cuda" and "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
-            if self.is_main:
-                size = f" (saved by {saved_world} ranks, resumed on {world})" if resized else ""
-                print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}{size}",
-                      file=sys.stderr)
-        self.strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
-        if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():
-            record_resume(self.run_dir, self.step)  # an earlier attempt trained here
-        return resumed
-
-    def saves_after(self, step: int) -> bool:
-        every = self.cfg.run.checkpoint_every
-        return self.run_dir is not None and (step == self.total_steps or bool(every) and step % every == 0)
-
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Write the checkpoint of `step` (collective over the strategy's checkpoint group)."""
-        began = time.perf_counter()
-        shared = state.pop("shared", None)
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        local = {"step": step, "counters": dict(self.counters), "rng": rng, **state}
-        self.drain_saves()  # one checkpoint in flight at most
-        self.pending = save_checkpoint(
-            self.run_dir, step, local=local, shared=shared if self.is_main else None,
-            keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
-            async_group=self.async_group)
-        self.counters["checkpoint_seconds"] += time.perf_counter() - began
-
-    def drain_saves(self) -> None:
-        """Wait for the checkpoint being written behind training (run.async_checkpoint), if any."""
-        if self.pending is not None:
-            began, pending, self.pending = time.perf_counter(), self.pending, None
-            pending.wait()
-            self.counters["checkpoint_seconds"] += time.perf_counter() - began
 
     def make_contract(self) -> Contract:
         """The run's prediction of itself (rank 0, before the first step) and this rank's record."""
@@ -377,6 +314,7 @@ class Loop:
             "skipped_steps": counters["skipped"], "checkpoint_seconds": counters["checkpoint_seconds"],
             "epoch_accuracy": epochs,
             "restarts": resumes["restarts"], "steps_redone": resumes["steps_redone"],
+            "resizes": resumes["resizes"],
             "rss_peak_mb_per_rank": self.gather(memory_mb()[1]),
             "device": str(self.device), "backend": dist.get_backend(),
         }

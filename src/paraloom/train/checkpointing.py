@@ -1,0 +1,121 @@
+"""The loop's checkpoints: saving (at once, or behind training), resuming (at the saved size or another),
+and the record of each resume and resize."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paraloom.config import Config
+from paraloom.errors import UserError
+from paraloom.perfmodel.contract import replan
+from paraloom.train.checkpoint import (
+    PendingSave,
+    agree_on_checkpoint,
+    load_checkpoint,
+    manifest_of,
+    save_checkpoint,
+    step_dir,
+)
+from paraloom.train.resume import PROGRESS, record_resize, record_resume
+from paraloom.train.strategies import Strategy
+
+
+class Checkpoints:
+    """Loop's part that writes and reads checkpoints (a mixin: Loop sets the attributes named here)."""
+
+    cfg: Config
+    strategy: Strategy
+    run_dir: Path | None
+    rank: int
+    device: torch.device
+    is_main: bool
+    step: int
+    total_steps: int
+    counters: dict[str, Any]
+    started_at: float
+    pending: PendingSave | None
+    async_group: dist.ProcessGroup | None
+
+
+    def resume(self) -> int | None:
+        """Load the newest whole checkpoint of the run directory, if any (collective). One that another
+        number of ranks saved loads where the strategy can carry its state over (resize_refusal)."""
+        group = self.strategy.checkpoint_group
+        found = agree_on_checkpoint(self.run_dir, group=group)
+        resumed = None
+        if found is not None:
+            resumed, saved_world = found
+            world = dist.get_world_size(group)
+            resized = saved_world != world
+            refusal = self.strategy.resize_refusal() if resized else None
+            if refusal is not None:
+                raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by "
+                                f"{saved_world} ranks, this run has {world}: {refusal}")
+            shared, local = load_checkpoint(self.run_dir, resumed, self.rank, self.device, group,
+                                            source_rank=0 if resized else None,
+                                            make_sharded=self.strategy.make_sharded)
+            self.step = int(local.pop("step"))
+            self.counters.update(local.pop("counters", {}))
+            rng = local.pop("rng")
+            if resized:
+                self.strategy.load_resized({**local, "shared": shared}, saved_world)
+            else:
+                self.strategy.load_state_dict({**local, "shared": shared})
+            torch.set_rng_state(rng["torch"].cpu())
+            if self.device.type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
+            if self.is_main:
+                size = f" (saved by {saved_world} ranks, resumed on {world})" if resized else ""
+                print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}{size}",
+                      file=sys.stderr)
+            if resized and self.is_main and self.run_dir is not None:
+                self.record_resize(resumed, saved_world, world)
+        self.strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
+        if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():
+            record_resume(self.run_dir, self.step)  # an earlier attempt trained here
+        return resumed
+
+    def record_resize(self, step: int, saved_world: int, world: int) -> None:
+        """Predict the step at the new size beside the old (the run's own profile) and keep the record."""
+        cfg = self.cfg
+        servers = cfg.ps.servers if cfg.parallel.mode == "ps" else 0
+        planned = replan(self.run_dir, cfg, saved_world - servers, world - servers, torch.get_num_threads())
+        old, new = planned["predicted_step_seconds_old"], planned["predicted_step_seconds_new"]
+        if old is not None and new is not None:
+            print(f"paraloom: resized from {saved_world} to {world} ranks: predicted step {new * 1e3:.2f} ms "
+                  f"(at {saved_world}: {old * 1e3:.2f} ms)", file=sys.stderr)
+        saved_at = manifest_of(step_dir(self.run_dir, step)).get("saved_at")
+        record_resize(self.run_dir, {"step": step, "old_world_size": saved_world, "new_world_size": world,
+                                     **planned}, saved_at=saved_at, started_at=self.started_at)
+
+    def saves_after(self, step: int) -> bool:
+        every = self.cfg.run.checkpoint_every
+        return self.run_dir is not None and (step == self.total_steps or bool(every) and step % every == 0)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Write the checkpoint of `step` (collective over the strategy's checkpoint group)."""
+        began = time.perf_counter()
+        shared = state.pop("shared", None)
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        local = {"step": step, "counters": dict(self.counters), "rng": rng, **state}
+        self.drain_saves()  # one checkpoint in flight at most
+        self.pending = save_checkpoint(
+            self.run_dir, step, local=local, shared=shared if self.is_main else None,
+            keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
+            async_group=self.async_group, meta={"saved_at": time.time()})
+        self.counters["checkpoint_seconds"] += time.perf_counter() - began
+
+    def drain_saves(self) -> None:
+        """Wait for the checkpoint being written behind training (run.async_checkpoint), if any."""
+        if self.pending is not None:
+            began, pending, self.pending = time.perf_counter(), self.pending, None
+            pending.wait()
+            self.counters["checkpoint_seconds"] += time.perf_counter() - began
