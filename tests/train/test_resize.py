@@ -8,7 +8,7 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.train import train
-from paraloom.train.checkpoint import step_dir
+from paraloom.train.checkpoint import load_checkpoint, step_dir
 
 BASE = [
     "model.name=mlp",
@@ -70,14 +70,29 @@ def test_dp4_checkpoint_goes_on_at_dp2_and_dp3_as_dp4_would(settings, tmp_path, 
     assert "saved by 4 ranks, resumed on 2" in err and "saved by 4 ranks, resumed on 3" in err
 
 
-def test_differing_replicas_are_refused_on_another_size_in_one_line(tmp_path):
-    settings = ["comm.sync=local_sgd", "comm.local_steps=2"]
+def test_one_step_delay_is_refused_on_another_size_in_one_line(tmp_path):
+    settings = ["comm.sync=one_step_delay"]
     straight = tmp_path / "dp2"
     straight.mkdir()
     run_workers(_run, 2, settings, straight, timeout=120)
     resumed = _resume_from(straight, 10, tmp_path / "dp3")
-    with pytest.raises(AssertionError, match="saved by 2 ranks, this run has 3: comm.sync=local_sgd keeps"):
+    with pytest.raises(AssertionError, match="saved by 2 ranks, this run has 3: comm.sync=one_step_delay"):
         run_workers(_run, 3, settings, resumed, timeout=120)
+
+
+def test_local_sgd_resumes_on_another_size_from_the_average_of_the_saved_replicas(tmp_path, capfd):
+    settings = ["comm.sync=local_sgd", "comm.local_steps=2"]  # step 15 ends unaveraged: replicas differ
+    straight = tmp_path / "dp2"
+    straight.mkdir()
+    run_workers(_run, 2, settings, straight, timeout=120)
+    replicas = [load_checkpoint(straight, 15, r, torch.device("cpu"))[1]["model"] for r in (0, 1)]
+    assert any(not torch.equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
+    resumed = _resume_from(straight, 15, tmp_path / "dp3")
+    run_workers(_run, 3, settings, resumed, timeout=120)  # no step left: the model as loaded
+    got = _model(resumed)
+    for key in got:
+        torch.testing.assert_close(got[key], (replicas[0][key] + replicas[1][key]) / 2, rtol=0, atol=1e-7)
+    assert "every rank starts from the average of the 2 saved replicas on 3 ranks" in capfd.readouterr().err
 
 
 def test_a_compressed_run_resumes_on_another_size_with_its_residuals_reset(tmp_path, capfd):

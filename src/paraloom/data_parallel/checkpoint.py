@@ -30,3 +30,17 @@ def load_engine_state(model: nn.Module, optimizer: torch.optim.Optimizer, engine
     model.load_state_dict(replicas["model"])
     optimizer.load_state_dict(replicas["optimizer"])
     engine.load_comm_state_dict(state["engine"], keep_compressor=keep_compressor)
+
+
+def average_states(states: list[Any]) -> Any:
+    """The element-wise mean of like-shaped states (nested dicts and lists); floating-point tensors are
+    averaged, everything else (step counts, hyper-parameters) taken from the first."""
+    first = states[0]
+    if isinstance(first, dict):
+        return {key: average_states([s[key] for s in states]) for key in first}
+    if isinstance(first, (list, tuple)):
+        items = [average_states([s[i] for s in states]) for i in range(len(first))]
+        return items if isinstance(first, list) else tuple(items)
+    if torch.is_tensor(first) and first.is_floating_point():
+        return torch.stack(states).mean(dim=0)
+    return first

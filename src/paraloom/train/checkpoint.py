@@ -212,17 +212,27 @@ def load_checkpoint(run_dir: Path, step: int, rank: int, device: torch.device,
 
     Collective over `group` where torch.distributed is set up (DCP plans the reads together);
     `make_sharded(name, global_shape, dtype)` gives the DTensor a sharded entry loads into."""
+    shared, parts = load_parts(run_dir, step, [rank if source_rank is None else source_rank], device, group,
+                               make_sharded=make_sharded)
+    return shared, parts[0]
+
+
+def load_parts(run_dir: Path, step: int, ranks: list[int], device: torch.device,
+               group: dist.ProcessGroup | None = None, *,
+               make_sharded=None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(shared part or None, the parts of the saved `ranks`), as load_checkpoint."""
     path = step_dir(run_dir, step)
     shared = _read(path / SHARED) if (path / SHARED).is_file() else None
-    local = _read(path / objects_file(rank if source_rank is None else source_rank))
-    wanted = state_tree.targets(local, device, make_sharded)
-    if shared is not None:
-        wanted.update(state_tree.targets(shared, device, make_sharded))
+    parts = [_read(path / objects_file(r)) for r in ranks]
+    wanted: dict[str, torch.Tensor] = {}
+    for skeleton in [*parts, *([shared] if shared is not None else [])]:
+        wanted.update(state_tree.targets(skeleton, device, make_sharded))
     single = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # a single process: meant
         dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=single)
-    return (None if shared is None else state_tree.join(shared, wanted)), state_tree.join(local, wanted)
+    return (None if shared is None else state_tree.join(shared, wanted)), \
+        [state_tree.join(part, wanted) for part in parts]
 
 
 def _read(path: Path) -> Any:

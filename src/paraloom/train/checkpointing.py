@@ -17,7 +17,7 @@ from paraloom.perfmodel.contract import replan
 from paraloom.train.checkpoint import (
     PendingSave,
     agree_on_checkpoint,
-    load_checkpoint,
+    load_parts,
     manifest_of,
     save_checkpoint,
     step_dir,
@@ -57,14 +57,17 @@ class Checkpoints:
             if refusal is not None:
                 raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by "
                                 f"{saved_world} ranks, this run has {world}: {refusal}")
-            shared, local = load_checkpoint(self.run_dir, resumed, self.rank, self.device, group,
-                                            source_rank=0 if resized else None,
-                                            make_sharded=self.strategy.make_sharded)
+            sources = self.strategy.resize_sources(saved_world) if resized else [self.rank]
+            shared, (local, *others) = load_parts(self.run_dir, resumed, sources, self.device, group,
+                                                  make_sharded=self.strategy.make_sharded)
             self.step = int(local.pop("step"))
             self.counters.update(local.pop("counters", {}))
             rng = local.pop("rng")
             if resized:
-                self.strategy.load_resized({**local, "shared": shared}, saved_world)
+                for other in others:
+                    for key in ("step", "counters", "rng"):
+                        other.pop(key, None)
+                self.strategy.load_resized({**local, "shared": shared}, saved_world, others)
             else:
                 self.strategy.load_state_dict({**local, "shared": shared})
             torch.set_rng_state(rng["torch"].cpu())

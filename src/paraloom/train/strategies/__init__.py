@@ -107,8 +107,13 @@ class Strategy(ABC):
         """Why this run cannot resume a checkpoint that another number of ranks saved (None: it can)."""
         return f"{type(self).__name__.removesuffix('Strategy')} runs resume only at the size they saved with"
 
-    def load_resized(self, state: dict[str, Any], saved_world: int) -> None:
-        """Load rank 0's state of a checkpoint that `saved_world` ranks saved (see resize_refusal)."""
+    def resize_sources(self, saved_world: int) -> list[int]:
+        """The saved ranks whose own parts a resized resume reads (rank 0's first)."""
+        return [0]
+
+    def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
+        """Load a checkpoint that `saved_world` ranks saved (see resize_refusal): `state` holds rank 0's
+        part and the shared one, `others` the parts of the other `resize_sources`."""
         raise RuntimeError(self.resize_refusal())
 
     def summary(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from paraloom.config import Config
 from paraloom.data import DataSets
-from paraloom.data_parallel.checkpoint import engine_state, load_engine_state
+from paraloom.data_parallel.checkpoint import average_states, engine_state, load_engine_state
 from paraloom.models.make import make_model
 from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
@@ -81,20 +81,36 @@ class DataParallelStrategy(EngineStrategy):
         return state
 
     def resize_refusal(self) -> str | None:
-        if not self.engine.replicas_identical:
-            return (f"comm.sync={self.cfg.comm.sync} keeps replicas that differ between averagings; "
+        if not self.engine.replicas_identical and self.cfg.comm.sync != "local_sgd":
+            return (f"comm.sync={self.cfg.comm.sync} keeps replicas that differ between steps; "
                     "it resumes only at the size it saved with")
         return None
+
+    def resize_sources(self, saved_world: int) -> list[int]:
+        return list(range(saved_world)) if self.cfg.comm.sync == "local_sgd" else [0]
 
     def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         return self.engine.updater.sharded_target(shape, dtype)  # the sharded optimizer's state
 
-    def load_resized(self, state: dict[str, Any], saved_world: int) -> None:
-        """Replicas are identical: rank 0's model, optimizer, recipe and pruning state serve every rank;
-        a compressor's residuals (one per old rank) start again from zero."""
-        if state["engine"]["compressor"] and dist.get_rank() == 0:
-            print(f"paraloom: note: comm.compressor={self.cfg.comm.compressor}: its error-feedback state "
-                  f"starts from zero on {self.dp_world_size} ranks (saved by {saved_world})", file=sys.stderr)
+    def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
+        """Identical replicas: rank 0's model, optimizer, recipe and pruning state serve every rank.
+        Local SGD: every rank starts from the average of the saved replicas (parameters and optimizer
+        state), as if the run had averaged at the checkpoint. A compressor's residuals (one per old
+        rank) start again from zero."""
+        notes = []
+        if state["engine"]["compressor"]:
+            notes.append(f"comm.compressor={self.cfg.comm.compressor}: its error-feedback state starts "
+                         "from zero")
+        if others:
+            for key in ("model", "optimizer"):
+                state[key] = average_states([state[key], *(other[key] for other in others)])
+            state["engine"]["updater"] = {**state["engine"]["updater"], "unaveraged": False}
+            notes.append(f"comm.sync=local_sgd: every rank starts from the average of the {saved_world} "
+                         "saved replicas")
+        if dist.get_rank() == 0:
+            for note in notes:
+                print(f"paraloom: note: {note} on {self.dp_world_size} ranks (saved by {saved_world})",
+                      file=sys.stderr)
         state["engine"] = {**state["engine"], "compressor": None}
         self.load_state_dict(state, keep_compressor=False)
 
