@@ -70,14 +70,20 @@ def test_dp4_checkpoint_goes_on_at_dp2_and_dp3_as_dp4_would(settings, tmp_path, 
     assert "saved by 4 ranks, resumed on 2" in err and "saved by 4 ranks, resumed on 3" in err
 
 
-def test_one_step_delay_is_refused_on_another_size_in_one_line(tmp_path):
+def test_one_step_delay_resumes_on_another_size_with_its_pending_step_applied(tmp_path, capfd):
     settings = ["comm.sync=one_step_delay"]
     straight = tmp_path / "dp2"
     straight.mkdir()
-    run_workers(_run, 2, settings, straight, timeout=120)
-    resumed = _resume_from(straight, 10, tmp_path / "dp3")
-    with pytest.raises(AssertionError, match="saved by 2 ranks, this run has 3: comm.sync=one_step_delay"):
-        run_workers(_run, 3, settings, resumed, timeout=120)
+    run_workers(_run, 2, settings, straight, timeout=120)  # its finish() lands the step of step 15
+    resumed = _resume_from(straight, 15, tmp_path / "dp3")
+    run_workers(_run, 3, settings, resumed, timeout=120)  # no step left: the model as loaded
+    expected, got = _model(straight), _model(resumed)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-6, atol=1e-7)
+    assert "the pending averaged step is applied" in capfd.readouterr().err
+    again = _resume_from(straight, 10, tmp_path / "dp3_from_10")  # and training goes on from there
+    summary = run_workers(_run, 3, settings, again, timeout=120)[0]
+    assert summary["steps"] == 15 and summary["final_loss"] < 10
 
 
 def test_local_sgd_resumes_on_another_size_from_the_average_of_the_saved_replicas(tmp_path, capfd):

@@ -94,6 +94,15 @@ class DelayedUpdater(SyncUpdater):
                           for bucket, saved in zip(self.engine.buckets, state["in_flight"], strict=False)]
 
     @torch.no_grad()
+    def land(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the pending averaged step to W_g with `optimizer` and set the model to W_g (a resume on
+        another number of ranks: no rank's own compensation carries over)."""
+        self.optimizer = optimizer
+        self.finish()
+        for bucket, global_buffer in zip(self.engine.buckets, self.global_params, strict=True):
+            bucket.param_buffer.copy_(global_buffer)
+
+    @torch.no_grad()
     def finish(self) -> None:
         if self.in_flight:
             self._apply_global()

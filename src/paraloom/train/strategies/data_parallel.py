@@ -81,10 +81,7 @@ class DataParallelStrategy(EngineStrategy):
         return state
 
     def resize_refusal(self) -> str | None:
-        if not self.engine.replicas_identical and self.cfg.comm.sync != "local_sgd":
-            return (f"comm.sync={self.cfg.comm.sync} keeps replicas that differ between steps; "
-                    "it resumes only at the size it saved with")
-        return None
+        return None  # identical replicas; local SGD averages them, one-step delay lands its pending step
 
     def resize_sources(self, saved_world: int) -> list[int]:
         return list(range(saved_world)) if self.cfg.comm.sync == "local_sgd" else [0]
@@ -95,8 +92,9 @@ class DataParallelStrategy(EngineStrategy):
     def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
         """Identical replicas: rank 0's model, optimizer, recipe and pruning state serve every rank.
         Local SGD: every rank starts from the average of the saved replicas (parameters and optimizer
-        state), as if the run had averaged at the checkpoint. A compressor's residuals (one per old
-        rank) start again from zero."""
+        state), as if the run had averaged at the checkpoint. One-step delay: the pending averaged
+        gradients are applied to the global weights, which every rank starts from. A compressor's
+        residuals (one per old rank) start again from zero."""
         notes = []
         if state["engine"]["compressor"]:
             notes.append(f"comm.compressor={self.cfg.comm.compressor}: its error-feedback state starts "
@@ -107,12 +105,21 @@ class DataParallelStrategy(EngineStrategy):
             state["engine"]["updater"] = {**state["engine"]["updater"], "unaveraged": False}
             notes.append(f"comm.sync=local_sgd: every rank starts from the average of the {saved_world} "
                          "saved replicas")
+        delayed = self.cfg.comm.sync == "one_step_delay"
+        if delayed:  # the pending gradients were summed over the saved ranks: average them over those
+            updater = state["engine"]["updater"]
+            updater["in_flight"] = [b * (self.dp_world_size / saved_world) for b in updater["in_flight"]]
+            notes.append("comm.sync=one_step_delay: the pending averaged step is applied, and every rank "
+                         "starts from the global weights")
         if dist.get_rank() == 0:
             for note in notes:
                 print(f"paraloom: note: {note} on {self.dp_world_size} ranks (saved by {saved_world})",
                       file=sys.stderr)
         state["engine"] = {**state["engine"], "compressor": None}
         self.load_state_dict(state, keep_compressor=False)
+        if delayed:
+            with self.engine.stepping():  # the engine's own optimizer step, as in engine.step()
+                self.engine.updater.land(self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any], *, keep_compressor: bool = True) -> None:
         load_engine_state(self.model, self.optimizer, self.engine, state, keep_compressor=keep_compressor)
