@@ -51,5 +51,5 @@ PRUNING_SCOPES = ("layer", "global")
 
 # ---- faults: run.inject kinds and the keys each takes
 FAULT_KINDS = {"kill": ("rank", "step"), "hang": ("rank", "step"), "nan": ("rank", "step"),
-               "slow": ("rank", "factor"), "slow_data": ("rank", "factor")}
+               "slow": ("rank", "factor"), "slow_data": ("rank", "factor"), "lose": ("node", "step")}
 

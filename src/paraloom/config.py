@@ -42,6 +42,9 @@ class RunConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept in runs/<name>/checkpoints
     async_checkpoint: bool = False  # write checkpoints behind training (DCP's async_save of a copy)
     max_restarts: int = 3  # elastic restarts after a worker fails (each resumes from the last checkpoint)
+    # "MIN..MAX" on a cluster: the run goes on with as few as MIN nodes (torchrun --nnodes MIN:MAX);
+    # a node lost for good leaves the survivors to resume at the smaller size, one that joins grows it
+    nodes: str | None = None
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
     eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy
     precision: str = _one_of(*choices.PRECISIONS, default="fp32")  # bf16/fp16: autocast (fp16: loss scaling)
@@ -63,6 +66,16 @@ class RunConfig:
                             "negative")
         if self.inject is not None:
             parse_faults(self.inject)
+        self.node_range()
+
+    def node_range(self) -> tuple[int, int] | None:
+        """(MIN, MAX) of run.nodes, or None."""
+        if self.nodes is None:
+            return None
+        low, sep, high = str(self.nodes).partition("..")
+        if not (sep and low.strip().isdigit() and high.strip().isdigit()) or not 1 <= int(low) <= int(high):
+            raise UserError(f"run.nodes={self.nodes!r} must read MIN..MAX with 1 <= MIN <= MAX, e.g. 3..4")
+        return int(low), int(high)
         if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
             raise UserError(f"run.name={self.name!r} must be a plain directory name")
 

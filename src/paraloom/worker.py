@@ -69,7 +69,10 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
         backend = "cpu:gloo,cuda:nccl"
     timeout = timedelta(seconds=comm.timeout_s)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in os.environ:
+    own_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
+    if attempt is None or "MASTER_ADDR" not in os.environ or own_store:
+        # outside an agent, or a store of this attempt's own (rank 0 starts one on a free port each
+        # rendezvous round: the cluster launcher asks for that, as the agents' restart counts may differ)
         dist.init_process_group(backend, timeout=timeout)
         return
     # The elastic agent's store outlives a restart, and the keys gloo's first attempt left there

@@ -78,6 +78,12 @@ def train(
                 raise UserError(f"ps.servers={cfg.ps.servers} leaves no worker on {nodes.describe()}; "
                                 "give the cluster more nodes than servers")
         cfg.validate_world(world)
+        from paraloom.config_faults import check_lost_nodes, parse_faults
+
+        check_lost_nodes(parse_faults(cfg.run.inject) if cfg.run.inject else [], cfg.run.node_range(),
+                         nodes.nodes if nodes else None)
+        if cfg.run.nodes is not None and cfg.run.max_restarts < 1:
+            raise UserError(f"run.nodes={cfg.run.nodes} goes on through restarts: give run.max_restarts >= 1")
         if _needs_preflight(cfg):  # importing the training stack costs the launcher seconds
             from paraloom.preflight import preflight
 
@@ -128,11 +134,16 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
 
         return launch_local(cfg, run_dir, started_at=started_at), run_dir
     from paraloom.cluster.launch import torchrun_on_cluster
+    from paraloom.config_faults import parse_faults
 
+    node_range = cfg.run.node_range()
+    faults = parse_faults(cfg.run.inject) if cfg.run.inject else []
+    lost = {f.node: f.back for f in faults if f.kind == "lose"}
     torchrun_on_cluster(nodes, ["paraloom.worker", str(run_dir / "config.yaml"), "--run-dir",
                                 str(run_dir), "--started-at", repr(started_at)],
                         log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc,
-                        max_restarts=cfg.run.max_restarts)
+                        max_restarts=cfg.run.max_restarts, min_nodes=node_range[0] if node_range else None,
+                        lost=lost)
     return json.loads((run_dir / "summary.json").read_text()), run_dir
 
 

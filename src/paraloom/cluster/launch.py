@@ -20,34 +20,48 @@ BENCH_RESTARTS = 1
 
 
 def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log_dir: Path,
-                        nproc_per_node: int = 1, max_restarts: int = 0) -> None:
+                        nproc_per_node: int = 1, max_restarts: int = 0, min_nodes: int | None = None,
+                        lost: dict[int, float | None] | None = None) -> None:
     """Start `python -m torch.distributed.run ... -m MODULE ARGS` in every node's namespace.
 
     Rendezvous is on node 0's address; gloo binds to each node's eth0, so every byte between
     workers crosses the shaped links. Node 0's output goes to this terminal, the others' to
     `log_dir/node<i>.log`. Returns when all nodes finish; a failure or an interrupt stops every
-    process on the cluster.
+    process on the cluster. With `min_nodes` the membership may change (torchrun's --nnodes
+    MIN:MAX): the nodes of `lost` (node: seconds until it starts again, or None) may die while
+    the others go on; one that comes back joins at the survivors' next rendezvous.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0",
-               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // (cluster.nodes * nproc_per_node))))
+    threads = max(1, (os.cpu_count() or 1) // (cluster.nodes * nproc_per_node))
     run_id = uuid.uuid4().hex[:12]
+    nnodes = f"{min_nodes}:{cluster.nodes}" if min_nodes is not None else str(cluster.nodes)
+    # a shrunk run waits this long for missing nodes before it goes on without them
+    last_call = ",last_call_timeout=3" if min_nodes is not None else ""
     procs, logs = [], []
+
+    def start(node: int) -> subprocess.Popen:
+        cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "torch.distributed.run",
+               f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.address(0)}:{RDZV_PORT}",
+               f"--rdzv-id={run_id}", f"--local-addr={cluster.address(node)}",
+               # node 0 hosts the rendezvous store: its name resolves to loopback, so torch
+               # cannot tell by itself that the endpoint address is its own
+               f"--rdzv-conf=is_host={int(node == 0)}{last_call}",
+               f"--max-restarts={max_restarts}", "-m", *module_args]
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: every rendezvous round's workers get a store of their
+        # own, on a port rank 0 picks afresh: no key of an earlier round can mislead them, and no key
+        # prefix is needed that all ranks agree on (the agents' restart counts differ once a healthy
+        # node restarts for a membership change, which does not count as a restart)
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=str(threads),
+                   PARALOOM_NODE=str(node), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        log = logs[node]
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+
     try:
         for node in range(cluster.nodes):
-            cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "torch.distributed.run",
-                   f"--nnodes={cluster.nodes}", f"--nproc-per-node={nproc_per_node}",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.address(0)}:{RDZV_PORT}",
-                   f"--rdzv-id={run_id}", f"--local-addr={cluster.address(node)}",
-                   # node 0 hosts the rendezvous store: its name resolves to loopback, so torch
-                   # cannot tell by itself that the endpoint address is its own
-                   f"--rdzv-conf=is_host={int(node == 0)}",
-                   f"--max-restarts={max_restarts}", "-m", *module_args]
-            log = None if node == 0 else (log_dir / f"node{node}.log").open("w")
-            logs.append(log)
-            stderr = subprocess.STDOUT if log else None
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=stderr))
-        _wait_all(procs, log_dir)
+            logs.append(None if node == 0 else (log_dir / f"node{node}.log").open("a"))
+            procs.append(start(node))
+        _wait_all(procs, log_dir, lost or {}, start, run_dir=log_dir.parent)
     except BaseException:
         # failed or interrupted: nothing of this run may keep running, whatever state torchrun
         # is in (its workers live in sessions of their own, out of reach of our process group)
@@ -69,9 +83,45 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
                 log.close()
 
 
-def _wait_all(procs: list[subprocess.Popen], log_dir: Path) -> None:
+def _wait_all(procs: list[subprocess.Popen], log_dir: Path, lost: dict[int, float | None],
+              start, *, run_dir: Path) -> None:
+    """Until every node is done; a node of `lost` that dies is let go (and started again, once, its
+    seconds after the others have gone on without it), any other failure stops the run."""
+    from paraloom.train.resume import read_resumes
+
+    back_at: dict[int, float] = {}
+    waiting: dict[int, tuple[float, int]] = {}  # node: (seconds, resizes on record when it was lost)
+    started_again: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
+        pending = started_again | set(waiting) | set(back_at)
+        if pending and all(c == 0 for i, c in enumerate(codes) if i not in pending):
+            for node in started_again:  # the run ended before a node that came back could join it
+                if codes[node] is None:
+                    procs[node].terminate()
+                    procs[node].wait()
+            return
+        for node in [i for i, c in enumerate(codes) if c not in (None, 0) and i in lost]:
+            again = lost.pop(node)
+            print(f"paraloom: node {node} lost (its agent exited with {codes[node]})"
+                  + (f"; it starts again {again:g} s after the others go on without it" if again is not None
+                     else ""), file=sys.stderr)
+            if again is not None:
+                waiting[node] = (again, len(read_resumes(run_dir)["resizes"]))
+            codes[node] = 0 if again is None else None
+            procs[node] = _Done() if again is None else procs[node]
+        for node, (again, resizes) in list(waiting.items()):
+            codes[node] = None
+            if len(read_resumes(run_dir)["resizes"]) > resizes:  # the survivors went on without it
+                del waiting[node]
+                back_at[node] = time.monotonic() + again
+        for node, when in list(back_at.items()):
+            if time.monotonic() >= when:
+                del back_at[node]
+                procs[node] = start(node)
+                started_again.add(node)
+                print(f"paraloom: node {node} starts again", file=sys.stderr)
+            codes[node] = None
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             node, code = failed[0]
@@ -83,6 +133,21 @@ def _wait_all(procs: list[subprocess.Popen], log_dir: Path) -> None:
         if all(c == 0 for c in codes):
             return
         time.sleep(0.1)
+
+
+class _Done:
+    """A node let go: it counts as finished."""
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def terminate(self) -> None:
+        pass
+
+    kill = terminate
 
 
 def _tail(path: Path, lines: int = 25) -> str:

@@ -95,7 +95,7 @@ class Checkpoints:
                   f"(at {saved_world}: {old * 1e3:.2f} ms)", file=sys.stderr)
         saved_at = manifest_of(step_dir(self.run_dir, step)).get("saved_at")
         record_resize(self.run_dir, {"step": step, "old_world_size": saved_world, "new_world_size": world,
-                                     **planned}, saved_at=saved_at, started_at=self.started_at)
+                                     **planned}, saved_at=saved_at)
 
     def saves_after(self, step: int) -> bool:
         every = self.cfg.run.checkpoint_every

@@ -8,12 +8,16 @@
                                         stream all ranks agree on, takes 2x
     --inject slow_data:rank=1,factor=2  a persistent input straggler: rank 1's every batch arrives
                                         1x a step's computation late (its step takes 2x)
+    --inject lose:node=3,step=20        on a cluster (run.nodes=MIN..MAX): node 3's agent and
+                                        workers are SIGKILLed as step 20 begins, the node lost for
+                                        good; `back=S` starts it again S seconds after
+                                        the others went on without it
 
 A slow step's extra time is slept between forward and backward (`stretch`), so that it delays
 the step's gradients as slower arithmetic would: slept after backward, it would overlap the
 gradients' communication, which starts during backward.
 
-Steps count from 1. kill, hang and nan fire once per run: a restarted or resumed run does not
+Steps count from 1. kill, hang, nan and lose fire once per run: a restarted or resumed run does not
 repeat them (the run directory records what fired). Several faults join with ';'.
 
 nan and slow act through forward hooks on the rank's model (`during`), so they work alike
@@ -37,7 +41,8 @@ from torch import nn
 
 from paraloom.config_faults import Fault
 
-ONCE = ("kill", "hang", "nan")  # the faults that fire once per run (the slow ones persist)
+ONCE = ("kill", "hang", "nan", "lose")  # the faults that fire once per run (the slow ones persist)
+NODE = "PARALOOM_NODE"  # set by the cluster launcher: the node a worker runs on
 
 
 class FaultInjector:
@@ -46,7 +51,9 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int, seed: int,
                  run_dir: Path | None) -> None:
         self.rank, self.world_size, self.seed, self.run_dir = rank, world_size, seed, run_dir
-        self.once = [f for f in faults if f.kind in ONCE and f.rank == rank and not self._fired(f)]
+        node = os.environ.get(NODE)
+        self.once = [f for f in faults if f.kind in ONCE and not self._fired(f)
+                     and (f.rank == rank if f.kind != "lose" else node is not None and f.node == int(node))]
         self.slow = [f for f in faults if f.kind == "slow"]
         self.slow_data = [f.factor for f in faults if f.kind == "slow_data" and f.rank == rank]
         self.compute_seconds: float | None = None  # the last step's forward and backward (`computed`)
@@ -55,7 +62,8 @@ class FaultInjector:
     def _marker(self, fault: Fault) -> Path | None:
         if self.run_dir is None:
             return None
-        return self.run_dir / f".fired-{fault.kind}-rank{fault.rank}-step{fault.step}"
+        who = f"node{fault.node}" if fault.kind == "lose" else f"rank{fault.rank}"
+        return self.run_dir / f".fired-{fault.kind}-{who}-step{fault.step}"
 
     def _fired(self, fault: Fault) -> bool:
         marker = self._marker(fault)
@@ -67,11 +75,13 @@ class FaultInjector:
             marker.touch()
 
     def before_step(self, step: int) -> None:
-        """At the start of 1-based `step`: kill or hang this rank if asked."""
+        """At the start of 1-based `step`: kill, hang or lose this rank (or its node) if asked."""
         for fault in self.once:
-            if fault.step == step and fault.kind in ("kill", "hang"):
+            if fault.step == step and fault.kind in ("kill", "hang", "lose"):
                 self._mark(fault)
-                if fault.kind == "kill":
+                if fault.kind == "lose":  # the node's elastic agent first: nothing restarts this rank
+                    os.kill(os.getppid(), signal.SIGKILL)
+                if fault.kind in ("kill", "lose"):
                     os.kill(os.getpid(), signal.SIGKILL)
                 while True:  # hang: never answer again (the others' collectives time out)
                     time.sleep(3600)

@@ -10,6 +10,7 @@ from typing import Any
 
 from paraloom.train.metrics import write_json
 
+_IMPORTED_AT = time.time()
 PROGRESS = "progress"  # rank 0's last finished step, overwritten in place every step
 RESUMES = "resumes.json"
 
@@ -48,15 +49,26 @@ def record_resume(run_dir: Path, resumed_step: int) -> dict[str, int]:
     return record
 
 
-def record_resize(run_dir: Path, resize: dict[str, Any], *, saved_at: float | None,
-                  started_at: float) -> None:
+def process_started_at() -> float:
+    """When this process started (Linux: from /proc; elsewhere: when this module was imported)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as stat:
+            boot = next(float(line.split()[1]) for line in stat if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+def record_resize(run_dir: Path, resize: dict[str, Any], *, saved_at: float | None) -> None:
     """Add a resize to the record, with the seconds it lost: the work since its checkpoint that the
     earlier attempt did and this one redoes, and this attempt's start-up (the idle time between the two
     attempts is not counted: a restart by hand may come days later)."""
     progress = read_progress(run_dir)
     redone = max(0.0, progress[1] - saved_at) if progress is not None and saved_at is not None else 0.0
     record = read_resumes(run_dir)
-    record["resizes"].append({**resize, "seconds_lost": round(redone + time.time() - started_at, 3)})
+    start_up = time.time() - process_started_at()
+    record["resizes"].append({**resize, "seconds_lost": round(redone + start_up, 3)})
     write_json(run_dir / RESUMES, record)
 
 
