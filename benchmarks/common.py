@@ -13,12 +13,13 @@ from rich.table import Table
 
 
 def train_run(out: Path, name: str, args: Sequence[str] = (), *, sets: Sequence[str] = (),
-              env: dict[str, str] | None = None, timeout: float = 1800, save_model: bool = False) -> Path:
+              env: dict[str, str] | None = None, timeout: float = 1800, save_model: bool = False,
+              checkpoints: bool = False) -> Path:
     """Run `paraloom train ARGS --set SETS...` as a subprocess into `out`/NAME, without checkpoints
-    (and without model.pt unless `save_model`); returns the run dir. A failed run ends the
-    benchmark with the tail of its stderr."""
+    unless `checkpoints` (and without model.pt unless `save_model`); returns the run dir. A failed
+    run ends the benchmark with the tail of its stderr."""
     run_name = name.replace(" ", "_")  # a run name is one word
-    own = [f"run.out_dir={out}", f"run.name={run_name}", "run.checkpoint_every=0"]
+    own = [f"run.out_dir={out}", f"run.name={run_name}"] + ([] if checkpoints else ["run.checkpoint_every=0"])
     if not save_model:
         own.append("run.save_model=false")
     cmd = [sys.executable, "-m", "paraloom", "train", *args]
@@ -32,9 +33,10 @@ def train_run(out: Path, name: str, args: Sequence[str] = (), *, sets: Sequence[
 
 def train(out: Path, name: str, args: Sequence[str] = (), *, sets: Sequence[str] = (),
           env: dict[str, str] | None = None, timeout: float = 1800, save_model: bool = False,
-          with_metrics: bool = False) -> Any:
+          with_metrics: bool = False, checkpoints: bool = False) -> Any:
     """`train_run`, then its summary.json; with `with_metrics`, (summary, metrics.jsonl's records)."""
-    run = train_run(out, name, args, sets=sets, env=env, timeout=timeout, save_model=save_model)
+    run = train_run(out, name, args, sets=sets, env=env, timeout=timeout, save_model=save_model,
+                    checkpoints=checkpoints)
     summary = json.loads((run / "summary.json").read_text())
     if not with_metrics:
         return summary
