@@ -28,7 +28,7 @@ def _save_steps(rank, world, run_dir, steps, keep):
 
 def test_saved_folders_are_whole_and_pruned(tmp_path):
     chosen = run_workers(_save_steps, 2, tmp_path, [10, 20, 30, 40], 3)
-    assert chosen == [(40, 2), (40, 2)]
+    assert chosen == [(40, 2, True), (40, 2, True)]
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert folders == ["step-00000020", "step-00000030", "step-00000040"]  # keep 3, no .tmp left
     manifest = json.loads((step_dir(tmp_path, 40) / "manifest.json").read_text())
@@ -78,7 +78,7 @@ def _save_async(rank, world, run_dir):
 
 
 def test_asynchronous_saves_hold_the_values_at_the_save_and_are_sealed_whole(tmp_path):
-    assert run_workers(_save_async, 2, tmp_path) == [(20, 2), (20, 2)]
+    assert run_workers(_save_async, 2, tmp_path) == [(20, 2, True), (20, 2, True)]
     for step, added in ((10, 0), (20, 1000)):
         assert verify(step_dir(tmp_path, step)) is None
         for rank in (0, 1):
@@ -101,7 +101,8 @@ def test_a_tampered_dcp_metadata_is_never_unpickled(tmp_path):
     run_workers(_save_steps, 2, tmp_path, [10, 20], 3)
     marker = tmp_path / "unpickled"
     (step_dir(tmp_path, 20) / ".metadata").write_bytes(pickle.dumps(_Trap(str(marker))))
-    assert run_workers(_agree, 2, tmp_path) == [(10, 2), (10, 2)]  # passed over, the step before taken
+    # passed over, the step before taken
+    assert run_workers(_agree, 2, tmp_path) == [(10, 2, True), (10, 2, True)]
     assert not marker.exists()
     shared, local = load_checkpoint(tmp_path, 10, 0, torch.device("cpu"))
     assert torch.equal(shared["model"], torch.arange(4.0) + 10) and local["step"] == 10

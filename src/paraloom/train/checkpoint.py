@@ -192,17 +192,19 @@ def saved_world_size(path: Path) -> int:
     return int(manifest_of(path)["world_size"])
 
 
-def agree_on_checkpoint(run_dir: Path | None,
-                        group: dist.ProcessGroup | None = None) -> tuple[int, int] | None:
+def agree_on_checkpoint(run_dir: Path | None, group: dist.ProcessGroup | None = None,
+                        grid: list[int] | None = None) -> tuple[int, int, bool] | None:
     """Collective: rank 0 picks the checkpoint to resume from; every rank gets (its step, the number
-    of ranks that saved it), or None."""
-    found = torch.tensor([-1, 0], dtype=torch.int64)
+    of ranks that saved it, whether they were laid out as `grid` is: the manifest's "grid"), or None."""
+    found = torch.tensor([-1, 0, 1], dtype=torch.int64)
     if dist.get_rank(group) == 0 and run_dir is not None:
         path = latest_valid(run_dir)
         if path is not None:
-            found[0], found[1] = _step_of(path), saved_world_size(path)
+            manifest = manifest_of(path)
+            found[0], found[1] = _step_of(path), int(manifest["world_size"])
+            found[2] = int(manifest.get("grid") == grid)
     dist.broadcast(found, src=dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
-    return None if found[0].item() < 0 else (int(found[0]), int(found[1]))
+    return None if found[0].item() < 0 else (int(found[0]), int(found[1]), bool(found[2]))
 
 
 def load_checkpoint(run_dir: Path, step: int, rank: int, device: torch.device,

@@ -45,34 +45,21 @@ class Checkpoints:
 
     def resume(self) -> int | None:
         """Load the newest whole checkpoint of the run directory, if any (collective). One that another
-        number of ranks saved loads where the strategy can carry its state over (resize_refusal)."""
+        number or layout of ranks saved loads where the strategy can carry its state over
+        (resize_refusal)."""
         group = self.strategy.checkpoint_group
-        found = agree_on_checkpoint(self.run_dir, group=group)
-        resumed = None
+        found = agree_on_checkpoint(self.run_dir, group=group, grid=self.strategy.grid_record())
         if found is not None:
-            resumed, saved_world = found
+            resumed, saved_world, same_grid = found
             world = dist.get_world_size(group)
-            resized = saved_world != world
+            resized = saved_world != world or not same_grid
             refusal = self.strategy.resize_refusal() if resized else None
             if refusal is not None:
-                raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by "
-                                f"{saved_world} ranks, this run has {world}: {refusal}")
-            sources = self.strategy.resize_sources(saved_world) if resized else [self.rank]
-            shared, (local, *others) = load_parts(self.run_dir, resumed, sources, self.device, group,
-                                                  make_sharded=self.strategy.make_sharded)
-            self.step = int(local.pop("step"))
-            self.counters.update(local.pop("counters", {}))
-            rng = local.pop("rng")
-            if resized:
-                for other in others:
-                    for key in ("step", "counters", "rng"):
-                        other.pop(key, None)
-                self.strategy.load_resized({**local, "shared": shared}, saved_world, others)
-            else:
-                self.strategy.load_state_dict({**local, "shared": shared})
-            torch.set_rng_state(rng["torch"].cpu())
-            if self.device.type == "cuda" and "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
+                layout = f"{saved_world} ranks, this run has {world}" if saved_world != world else \
+                    f"another layout of {world} ranks ({self.strategy.grid_record()} now)"
+                raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by {layout}: "
+                                f"{refusal}")
+            self.load_resumed(resumed, saved_world, resized)
             if self.is_main:
                 size = f" (saved by {saved_world} ranks, resumed on {world})" if resized else ""
                 print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}{size}",
@@ -82,7 +69,27 @@ class Checkpoints:
         self.strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
         if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():
             record_resume(self.run_dir, self.step)  # an earlier attempt trained here
-        return resumed
+        return None if found is None else found[0]
+
+    def load_resumed(self, step: int, saved_world: int, resized: bool) -> None:
+        """Read the checkpoint of `step` into the strategy, the step, the counters and the RNG states."""
+        sources = self.strategy.resize_sources(saved_world) if resized else [self.rank]
+        shared, (local, *others) = load_parts(self.run_dir, step, sources, self.device,
+                                              self.strategy.checkpoint_group,
+                                              make_sharded=self.strategy.make_sharded)
+        self.step = int(local.pop("step"))
+        self.counters.update(local.pop("counters", {}))
+        rng = local.pop("rng")
+        if resized:
+            for other in others:
+                for key in ("step", "counters", "rng"):
+                    other.pop(key, None)
+            self.strategy.load_resized({**local, "shared": shared}, saved_world, others)
+        else:
+            self.strategy.load_state_dict({**local, "shared": shared})
+        torch.set_rng_state(rng["torch"].cpu())
+        if self.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
 
     def record_resize(self, step: int, saved_world: int, world: int) -> None:
         """Predict the step at the new size beside the old (the run's own profile) and keep the record."""
@@ -113,7 +120,7 @@ class Checkpoints:
         self.pending = save_checkpoint(
             self.run_dir, step, local=local, shared=shared if self.is_main else None,
             keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
-            async_group=self.async_group, meta={"saved_at": time.time()})
+            async_group=self.async_group, meta={"saved_at": time.time(), "grid": self.strategy.grid_record()})
         self.counters["checkpoint_seconds"] += time.perf_counter() - began
 
     def drain_saves(self) -> None:

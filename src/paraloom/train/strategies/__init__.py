@@ -99,6 +99,10 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what `state_dict` gave (its "shared" part as rank 0 wrote it)."""
 
+    def grid_record(self) -> list[int] | None:
+        """How the ranks are laid out (a checkpoint's manifest keeps it): another layout is a resize."""
+        return None
+
     def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         """The DTensor, of this run's layout, that a checkpoint's sharded entry `name` loads into."""
         raise RuntimeError(f"{type(self).__name__} keeps no sharded state, yet the checkpoint holds {name}")

@@ -32,6 +32,7 @@ from paraloom.models.make import make_model
 from paraloom.optim.trust import TrustRatioOptimizer
 from paraloom.pipeline_parallel import Chunks, PipelineStage, split_microbatches, stage_module
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
+from paraloom.pipeline_parallel.resplit import layout, stage_states, whole_state
 from paraloom.pipeline_parallel.stages import balance, bubbles, gather_stages
 from paraloom.tensor_parallel import (
     apply_tp_plan,
@@ -200,9 +201,40 @@ class ModelParallelStrategy(EngineStrategy):
                              source_of=sources, names=self.names)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"grid": list(self.grid), "virtual_stages": self.v, "model": self.model.state_dict(),
-                "recipe": self.recipe.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "engine": self.engine.comm_state_dict()}
+        state = {"grid": list(self.grid), "virtual_stages": self.v, "model": self.model.state_dict(),
+                 "recipe": self.recipe.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "engine": self.engine.comm_state_dict()}
+        if self.v == 1:  # what a run on another grid needs to cut this stage's state again
+            groups = self.groups
+            coords = {"dp": groups.dp_rank, "tp": groups.tp_rank, "pp": groups.pp_rank}
+            state["layout"] = layout(self.model, first_piece=self.bounds[groups.pp_rank][0], coords=coords)
+        return state
+
+    def grid_record(self) -> list[int]:
+        return [*self.grid, self.v]
+
+    def resize_refusal(self) -> str | None:
+        if self.v != 1:
+            return "an interleaved schedule resumes only on the grid it saved with"
+        if len(self.optimizer.param_groups) != 1:
+            return "an optimizer of several parameter groups resumes only on the grid it saved with"
+        return None
+
+    def resize_sources(self, saved_world: int) -> list[int]:
+        return list(range(saved_world))  # one replica's ranks are kept: whole_state
+
+    def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
+        """The whole model and optimizer state rebuilt from one saved replica, cut for this rank."""
+        parts = [state, *others]
+        if any("layout" not in part for part in parts):
+            raise UserError("the checkpoint was saved by an interleaved schedule; resume it on its own grid")
+        whole, whole_optim = whole_state(parts)
+        model_state, optim_state = stage_states(self.model, state["optimizer"], whole, whole_optim,
+                                                first_piece=self.bounds[self.groups.pp_rank][0])
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optim_state)
+        self.recipe.load_state_dict(state["recipe"])
+        self.engine.load_comm_state_dict(state["engine"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("grid") != list(self.grid) or state.get("virtual_stages", 1) != self.v:

@@ -1,0 +1,81 @@
+"""A model-parallel checkpoint resumes on another grid: the model loads bitwise as saved, and the
+next steps' losses and parameters are those of the run that kept its grid."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from distributed import run_workers
+
+from paraloom.config import load_config
+from paraloom.train import train
+from paraloom.train.checkpoint import step_dir
+
+# SGD with momentum (its buffers are split and joined too): Adam would turn the float noise of
+# gradients that are zero in exact arithmetic (attention's key bias) into steps of the full rate
+GPT = [
+    "model.name=gpt",
+    "data.name=text",
+    "data.seq_len=16",
+    "data.text_bytes=4000",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=2",
+    "data.batch_size=8",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "parallel.microbatches=2",
+    "optim.max_steps=10",
+    "run.checkpoint_every=5",
+    "run.log_every=1",
+    "run.save_model=true",
+]
+
+
+def _run(rank, world, settings, run_dir):
+    cfg = load_config(None, [*GPT, *settings])
+    return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r.get("loss") is not None}
+
+
+def _from(straight, step, out):
+    out.mkdir()
+    shutil.copytree(step_dir(straight, step), step_dir(out, step))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [(["parallel.pp=2"], ["parallel.pp=4"]), (["parallel.tp=2", "parallel.pp=2"], ["parallel.pp=2"])],
+    ids=["dp2xpp2-to-pp4", "tp2xpp2-to-dp2xpp2"],
+)
+def test_a_model_parallel_checkpoint_goes_on_on_another_grid(saved, resumed, tmp_path, capfd):
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    run_workers(_run, 4, saved, straight, timeout=180)
+    expected = torch.load(straight / "model.pt", weights_only=True)
+    # loaded as saved: a run resumed at its last step takes no step, and its gathered model is the saved one
+    at_end = _from(straight, 10, tmp_path / "at_end")
+    run_workers(_run, 4, resumed, at_end, timeout=180)
+    got = torch.load(at_end / "model.pt", weights_only=True)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+    # and it trains on as the saved grid did
+    again = _from(straight, 5, tmp_path / "again")
+    run_workers(_run, 4, resumed, again, timeout=180)
+    got = torch.load(again / "model.pt", weights_only=True)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+    before, after = _losses(straight), _losses(again)
+    assert sorted(after) == list(range(6, 11))
+    torch.testing.assert_close(
+        torch.tensor([after[s] for s in after]),
+        torch.tensor([before[s] for s in after]),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    assert "saved by 4 ranks, resumed on 4" in capfd.readouterr().err
