@@ -25,7 +25,6 @@ GPT = [
     "data.batch_size=8",
     "optim.name=sgd",
     "optim.lr=0.1",
-    "parallel.microbatches=2",
     "optim.max_steps=10",
     "run.checkpoint_every=5",
     "run.log_every=1",
@@ -49,24 +48,32 @@ def _from(straight, step, out):
     return out
 
 
+MB = "parallel.microbatches=2"
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [(["parallel.pp=2"], ["parallel.pp=4"]), (["parallel.tp=2", "parallel.pp=2"], ["parallel.pp=2"])],
-    ids=["dp2xpp2-to-pp4", "tp2xpp2-to-dp2xpp2"],
+    [
+        ((4, ["parallel.pp=2", MB]), (4, ["parallel.pp=4", MB])),
+        ((4, ["parallel.tp=2", "parallel.pp=2", MB]), (4, ["parallel.pp=2", MB])),
+        ((2, ["parallel.tp=2"]), (1, [])),  # tensor parallel onto one data-parallel process
+    ],
+    ids=["dp2xpp2-to-pp4", "tp2xpp2-to-dp2xpp2", "tp2-to-tp1"],
 )
 def test_a_model_parallel_checkpoint_goes_on_on_another_grid(saved, resumed, tmp_path, capfd):
+    (saved_world, saved), (world, resumed) = saved, resumed
     straight = tmp_path / "straight"
     straight.mkdir()
-    run_workers(_run, 4, saved, straight, timeout=180)
+    run_workers(_run, saved_world, saved, straight, timeout=180)
     expected = torch.load(straight / "model.pt", weights_only=True)
     # loaded as saved: a run resumed at its last step takes no step, and its gathered model is the saved one
     at_end = _from(straight, 10, tmp_path / "at_end")
-    run_workers(_run, 4, resumed, at_end, timeout=180)
+    run_workers(_run, world, resumed, at_end, timeout=180)
     got = torch.load(at_end / "model.pt", weights_only=True)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
     # and it trains on as the saved grid did
     again = _from(straight, 5, tmp_path / "again")
-    run_workers(_run, 4, resumed, again, timeout=180)
+    run_workers(_run, world, resumed, again, timeout=180)
     got = torch.load(again / "model.pt", weights_only=True)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
@@ -78,4 +85,4 @@ def test_a_model_parallel_checkpoint_goes_on_on_another_grid(saved, resumed, tmp
         rtol=1e-4,
         atol=1e-5,
     )
-    assert "saved by 4 ranks, resumed on 4" in capfd.readouterr().err
+    assert f"saved by {saved_world} ranks, resumed on {world}" in capfd.readouterr().err

@@ -92,3 +92,24 @@ def stage_states(model: nn.Module, optimizer_state: dict[str, Any], whole: dict[
                      whole_optim.get(_whole_key(key, first_piece), {}).items()} for i, key in enumerate(keys)}
     groups = [{**optimizer_state["param_groups"][0], "params": list(range(len(keys)))}]
     return state, {"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups}
+
+
+def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer, parts: list[dict[str, Any]]) -> None:
+    """Load a model-parallel checkpoint's parts into a whole `model` and its `optimizer` (one group)."""
+    from paraloom.pipeline_parallel.partition import model_pieces, piece_names
+
+    whole, whole_optim = whole_state(parts)
+    names = piece_names(model, model_pieces(model))
+    user = {_user_key(key, names): key for key in whole}
+    model.load_state_dict({name: whole[key] for name, key in user.items()})
+    keys = [name for name, _ in model.named_parameters()]
+    groups = [{**parts[0]["optimizer"]["param_groups"][0], "params": list(range(len(keys)))}]
+    states = {i: whole_optim[user[name]] for i, name in enumerate(keys) if user[name] in whole_optim}
+    optimizer.load_state_dict({"state": states, "param_groups": groups})
+
+
+def _user_key(key: str, names: list[str]) -> str:
+    """"<piece>.<rest>" as the model names it ("3.weight" -> "blocks.1.weight")."""
+    index, _, rest = key.partition(".")
+    prefix = names[int(index)]
+    return f"{prefix}.{rest}" if prefix else rest

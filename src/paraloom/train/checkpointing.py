@@ -73,7 +73,8 @@ class Checkpoints:
 
     def load_resumed(self, step: int, saved_world: int, resized: bool) -> None:
         """Read the checkpoint of `step` into the strategy, the step, the counters and the RNG states."""
-        sources = self.strategy.resize_sources(saved_world) if resized else [self.rank]
+        saved_grid = manifest_of(step_dir(self.run_dir, step)).get("grid") if resized else None
+        sources = self.strategy.resize_sources(saved_world, saved_grid) if resized else [self.rank]
         shared, (local, *others) = load_parts(self.run_dir, step, sources, self.device,
                                               self.strategy.checkpoint_group,
                                               make_sharded=self.strategy.make_sharded)

@@ -111,8 +111,9 @@ class Strategy(ABC):
         """Why this run cannot resume a checkpoint that another number of ranks saved (None: it can)."""
         return f"{type(self).__name__.removesuffix('Strategy')} runs resume only at the size they saved with"
 
-    def resize_sources(self, saved_world: int) -> list[int]:
-        """The saved ranks whose own parts a resized resume reads (rank 0's first)."""
+    def resize_sources(self, saved_world: int, saved_grid: list[int] | None) -> list[int]:
+        """The saved ranks whose own parts a resized resume reads (rank 0's first); `saved_grid`: the
+        layout they had (grid_record's)."""
         return [0]
 
     def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:

@@ -14,6 +14,7 @@ from paraloom.config import Config
 from paraloom.data import DataSets
 from paraloom.data_parallel.checkpoint import average_states, engine_state, load_engine_state
 from paraloom.models.make import make_model
+from paraloom.pipeline_parallel.resplit import load_whole
 from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
@@ -83,8 +84,9 @@ class DataParallelStrategy(EngineStrategy):
     def resize_refusal(self) -> str | None:
         return None  # identical replicas; local SGD averages them, one-step delay lands its pending step
 
-    def resize_sources(self, saved_world: int) -> list[int]:
-        return list(range(saved_world)) if self.cfg.comm.sync == "local_sgd" else [0]
+    def resize_sources(self, saved_world: int, saved_grid: list[int] | None) -> list[int]:
+        # every rank's part: the replicas of local SGD, the stages and slices of a model-parallel run
+        return list(range(saved_world)) if self.cfg.comm.sync == "local_sgd" or saved_grid else [0]
 
     def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         return self.engine.updater.sharded_target(shape, dtype)  # the sharded optimizer's state
@@ -95,6 +97,11 @@ class DataParallelStrategy(EngineStrategy):
         state), as if the run had averaged at the checkpoint. One-step delay: the pending averaged
         gradients are applied to the global weights, which every rank starts from. A compressor's
         residuals (one per old rank) start again from zero."""
+        if "layout" in state:  # a model-parallel checkpoint: its stages and slices, joined
+            load_whole(self.model, self.optimizer, [state, *others])
+            self.recipe.load_state_dict(state["recipe"])
+            self.resumed = True
+            return
         notes = []
         if state["engine"]["compressor"]:
             notes.append(f"comm.compressor={self.cfg.comm.compressor}: its error-feedback state starts "

@@ -220,7 +220,7 @@ class ModelParallelStrategy(EngineStrategy):
             return "an optimizer of several parameter groups resumes only on the grid it saved with"
         return None
 
-    def resize_sources(self, saved_world: int) -> list[int]:
+    def resize_sources(self, saved_world: int, saved_grid: list[int] | None) -> list[int]:
         return list(range(saved_world))  # one replica's ranks are kept: whole_state
 
     def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
