@@ -1,6 +1,6 @@
 """Elastic training, measured: a node lost for good and one that returns, and what checkpoints cost.
 
-    python benchmarks/elastic.py [--seeds 3] --json OUT          (the emulated cluster needs root)
+    python benchmarks/elastic.py [--seeds 3] [--parts membership,cost] --json OUT   (the cluster: root)
 
 Membership: digits on an emulated 4 x 1 Gbit/s cluster, `run.nodes=3..4`, a checkpoint every 20
 steps, per seed an uninterrupted run and one with `--inject lose:node=3,step=50` (the node's agent
@@ -80,26 +80,32 @@ def checkpoint_cost(out: Path, seeds: int, console: Console) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--parts", default="membership,cost")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     console = Console(width=150)
     before = namespaces()
+    parts = args.parts.split(",")
+    report: dict = {}
     with tempfile.TemporaryDirectory(prefix="paraloom-elastic-") as tmp:
         out = Path(tmp)
-        report = {"membership": membership(out, args.seeds, console)}
-        write_json(args.json, report)
-        report["checkpoint_cost"] = checkpoint_cost(out, args.seeds, console)
+        if "membership" in parts:
+            report["membership"] = membership(out, args.seeds, console)
+            write_json(args.json, report)
+        if "cost" in parts:
+            report["checkpoint_cost"] = checkpoint_cost(out, args.seeds, console)
     left = subprocess.run(["pgrep", "-f", "torch.distributed.run"], capture_output=True, text=True).stdout
     report["left_behind"] = {"namespaces": sorted(namespaces() - before), "processes": left.split()}
     write_json(args.json, report)
-    m, c = report["membership"], report["checkpoint_cost"]
     table = make_table("elastic training", ("figure", "measured", "bar"), left=("figure",))
-    table.add_row("lost node: runs finish on 3 nodes", str(m["lost_finish_on_3"]), "True")
-    table.add_row("lost node: steps redone (max)", str(m["max_steps_redone"]), f"<= {EVERY}")
-    gap = f"{m['accuracy_gap_pt']:+.2f} pt"
-    table.add_row("lost node: mean accuracy - uninterrupted's", gap, "within 0.5 pt")
-    table.add_row("returning node: 4 -> 3 -> 4", str(m["back_grows_to_4"]), "True")
-    for mode, share in c["share_of_training"].items():
+    if "membership" in report:
+        m = report["membership"]
+        table.add_row("lost node: runs finish on 3 nodes", str(m["lost_finish_on_3"]), "True")
+        table.add_row("lost node: steps redone (max)", str(m["max_steps_redone"]), f"<= {EVERY}")
+        gap = f"{m['accuracy_gap_pt']:+.2f} pt"
+        table.add_row("lost node: mean accuracy - uninterrupted's", gap, "within 0.5 pt")
+        table.add_row("returning node: 4 -> 3 -> 4", str(m["back_grows_to_4"]), "True")
+    for mode, share in report.get("checkpoint_cost", {}).get("share_of_training", {}).items():
         table.add_row(f"checkpoints' share of the default job ({mode})", f"{share:.2%}", "<= 5%")
     table.add_row("left behind", str(report["left_behind"]), "nothing")
     console.print(table)

@@ -35,8 +35,10 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
     threads = max(1, (os.cpu_count() or 1) // (cluster.nodes * nproc_per_node))
     run_id = uuid.uuid4().hex[:12]
     nnodes = f"{min_nodes}:{cluster.nodes}" if min_nodes is not None else str(cluster.nodes)
-    # a shrunk run waits this long for missing nodes before it goes on without them
-    last_call = ",last_call_timeout=3" if min_nodes is not None else ""
+    # once MIN nodes have joined a rendezvous round, it waits this long for the others: long enough
+    # for every node of a starting cluster to join (on a loaded machine some start seconds late), and
+    # all a shrunk run waits for a lost node
+    last_call = ",last_call_timeout=10" if min_nodes is not None else ""
     procs, logs = [], []
 
     def start(node: int) -> subprocess.Popen:

@@ -23,6 +23,7 @@ import shutil
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,15 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: dict[str, Any] | None,
                     keep: int, group: dist.ProcessGroup | None = None, meta: dict[str, Any] | None = None,
-                    async_group: dist.ProcessGroup | None = None) -> PendingSave | None:
+                    async_group: dist.ProcessGroup | None = None, seal_behind: bool = False,
+                    ) -> PendingSave | None:
     """Collective over `group`: every rank saves `local`; rank 0 also `shared`, then seals. `meta`
     (rank 0's) goes into the manifest. With `async_group` (a gloo group of the same ranks, for DCP's
     background writes) the tensors are copied and written behind training: the PendingSave's `wait`
-    returns once the checkpoint is sealed, and the next save must wait for it first."""
+    returns once the checkpoint is sealed, and the next save must wait for it first. With
+    `seal_behind`, a synchronous save's sealing (hashing, manifest, rename: rank 0's alone) runs on a
+    thread of its own as well: the checkpoint is whole on disk when this returns, and valid once
+    sealed; until then the one before stays the newest valid."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = step_dir(run_dir, step)
     staging = final.with_name(final.name + ".tmp")
@@ -70,11 +75,24 @@ def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: 
     if async_group is not None:  # rank 0's write finishes last: DCP's metadata waits for every rank's files
         response = dcp.async_save(tensors, storage_writer=writer, process_group=async_group)
         return PendingSave(getattr(response, "upload_completion", response), seal)
-    dcp.save(tensors, storage_writer=writer, process_group=group)
+    dcp.save(tensors, storage_writer=writer, process_group=group,
+             planner=dcp.DefaultSavePlanner(enable_plan_caching=True))  # the same plan every time
     dist.barrier(group)
+    if seal is not None and seal_behind:
+        return PendingSave(_sealer().submit(seal), None)
     if seal is not None:
         seal()
     return None
+
+
+_SEALER: ThreadPoolExecutor | None = None
+
+
+def _sealer() -> ThreadPoolExecutor:
+    global _SEALER
+    if _SEALER is None:
+        _SEALER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paraloom-seal")
+    return _SEALER
 
 
 class PendingSave:

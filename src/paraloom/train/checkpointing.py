@@ -121,7 +121,8 @@ class Checkpoints:
         self.pending = save_checkpoint(
             self.run_dir, step, local=local, shared=shared if self.is_main else None,
             keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
-            async_group=self.async_group, meta={"saved_at": time.time(), "grid": self.strategy.grid_record()})
+            async_group=self.async_group, seal_behind=True,
+            meta={"saved_at": time.time(), "grid": self.strategy.grid_record()})
         self.counters["checkpoint_seconds"] += time.perf_counter() - began
 
     def drain_saves(self) -> None:

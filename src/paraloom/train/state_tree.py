@@ -4,10 +4,11 @@ DCP stores tensors well and reshards them at load, but it keeps every other obje
 its reader loads with `weights_only=False`. So only tensors go to DCP: `split` walks the nested
 dicts, lists and tuples of a state and puts each tensor under a name made of its path
 ("shared/model/fc.weight", "rank1/engine/residual/0"), leaving in its place a small record of
-name, shape and dtype; the skeleton that remains (numbers, strings, dtypes, the records) is saved
-with `torch.save` and read with `weights_only=True`. `targets` makes the empty tensors DCP loads
-into, and `join` puts them back in the skeleton's places. A DTensor is recorded with its global
-shape, to be loaded into a DTensor of the loading world's own layout (`make_sharded`).
+name, shape and dtype. The skeleton that remains (numbers, 0-d tensors such as Adam's step count,
+strings, dtypes, the records) is saved with `torch.save` and read with `weights_only=True`.
+`targets` makes the empty tensors DCP loads into, and `join` puts them back in the skeleton's
+places. A DTensor is recorded with its global shape, to be loaded into a DTensor of the loading
+world's own layout (`make_sharded`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def split(state: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.dim() == 0:
+            return obj.detach().clone()  # a number (Adam's step count): kept in the skeleton
         if isinstance(obj, torch.Tensor):
             sharded = isinstance(obj, DTensor)
             name = ("sharded" if sharded else prefix) + path
