@@ -67,17 +67,12 @@ class RunConfig:
         if self.inject is not None:
             parse_faults(self.inject)
         self.node_range()
+        if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
+            raise UserError(f"run.name={self.name!r} must be a plain directory name")
 
     def node_range(self) -> tuple[int, int] | None:
         """(MIN, MAX) of run.nodes, or None."""
-        if self.nodes is None:
-            return None
-        low, sep, high = str(self.nodes).partition("..")
-        if not (sep and low.strip().isdigit() and high.strip().isdigit()) or not 1 <= int(low) <= int(high):
-            raise UserError(f"run.nodes={self.nodes!r} must read MIN..MAX with 1 <= MIN <= MAX, e.g. 3..4")
-        return int(low), int(high)
-        if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
-            raise UserError(f"run.name={self.name!r} must be a plain directory name")
+        return None if self.nodes is None else rules.node_range(str(self.nodes))
 
 
 @dataclass(kw_only=True)

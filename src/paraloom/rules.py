@@ -250,3 +250,11 @@ def check_pipeline_stages(*, pp: int, model: str, n_layers: int, virtual_stages:
         chunks = f" x parallel.virtual_stages={virtual_stages}" if virtual_stages > 1 else ""
         raise UserError(f"parallel.pp={pp}{chunks} stages exceed the gpt's {n_layers + 2} pieces "
                         "(embedding, blocks, head): raise model.n_layers or lower parallel.pp")
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """run.nodes="MIN..MAX" as (MIN, MAX)."""
+    low, sep, high = text.partition("..")
+    if not (sep and low.strip().isdigit() and high.strip().isdigit()) or not 1 <= int(low) <= int(high):
+        raise UserError(f"run.nodes={text!r} must read MIN..MAX with 1 <= MIN <= MAX, e.g. 3..4")
+    return int(low), int(high)
