@@ -33,8 +33,8 @@ def test_saved_folders_are_whole_and_pruned(tmp_path):
     assert folders == ["step-00000020", "step-00000030", "step-00000040"]  # keep 3, no .tmp left
     manifest = json.loads((step_dir(tmp_path, 40) / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["format"] == "dcp"
-    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "objects-shared.pt",
-                                      "objects-rank0.pt", "objects-rank1.pt"}
+    assert set(manifest["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "objects-rank0.pt",
+                                      "objects-rank1.pt"}
     shared, local = load_checkpoint(tmp_path, 40, 1, torch.device("cpu"))
     assert torch.equal(shared["model"], torch.arange(4.0) + 40)
     assert local["rank"] == 1 and torch.equal(local["value"], torch.full((5,), 140.0))
@@ -48,7 +48,7 @@ def test_truncated_latest_is_passed_over_with_its_name(tmp_path, capsys):
     assert latest_valid(tmp_path) == step_dir(tmp_path, 10)
     assert "skipping checkpoint step-00000020" in capsys.readouterr().err
     # a flipped byte (same size) is caught as well; a half-written folder is never considered
-    shared = step_dir(tmp_path, 10) / "objects-shared.pt"
+    shared = step_dir(tmp_path, 10) / "objects-rank0.pt"
     data = bytearray(shared.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shared.write_bytes(bytes(data))

@@ -1,9 +1,9 @@
 """Checkpoints in torch.distributed.checkpoint (DCP) format: atomic, checksummed, keep-last-k.
 
 Layout: `RUN_DIR/checkpoints/step-00000030/` holds DCP's files (`.metadata` and a `.distcp` file
-per rank) with every tensor of the state, `objects-shared.pt` and `objects-rank<r>.pt` with the
-rest of it (state_tree: the skeletons, read with `weights_only=True`), and `manifest.json` (step,
-world size, the run's grid, SHA-256 and size of every file). The shared part (model and optimizer
+per rank) with every tensor of the state, `objects-rank<r>.pt` with the rest of it (state_tree:
+the skeletons, read with `weights_only=True`; rank 0's holds the shared part's too), and
+`manifest.json` (step, world size, the run's grid, SHA-256 and size of every file). The shared part (model and optimizer
 where every rank holds the same) is written once, by rank 0; each rank writes its own part
 (communication state, RNG states, and model and optimizer where replicas differ); sharded state
 is saved as DTensors, which DCP reshards when a run of another size loads it. Ranks write into
@@ -35,9 +35,6 @@ from paraloom.train import state_tree
 
 FOLDER = "checkpoints"
 MANIFEST = "manifest.json"
-SHARED = "objects-shared.pt"
-
-
 def objects_file(rank: int) -> str:
     return f"objects-rank{rank}.pt"
 
@@ -65,19 +62,19 @@ def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: 
         staging.mkdir(parents=True)
     dist.barrier(group)
     skeleton, tensors = state_tree.split(local, f"rank{rank}")
-    _write(staging / objects_file(rank), skeleton)
+    shared_skeleton = None
     if rank == 0 and shared is not None:
-        skeleton, shared_tensors = state_tree.split(shared, "shared")
+        shared_skeleton, shared_tensors = state_tree.split(shared, "shared")
         tensors.update(shared_tensors)
-        _write(staging / SHARED, skeleton)
+    _write(staging / objects_file(rank), {"local": skeleton, "shared": shared_skeleton})
     writer = dcp.FileSystemWriter(staging, sync_files=True)
     seal = (lambda: _seal(staging, final, step, world, meta, keep)) if rank == 0 else None
     if async_group is not None:  # rank 0's write finishes last: DCP's metadata waits for every rank's files
         response = dcp.async_save(tensors, storage_writer=writer, process_group=async_group)
         return PendingSave(getattr(response, "upload_completion", response), seal)
+    # the same plan every time; DCP's coordinator (rank 0) returns once every rank's files are written
     dcp.save(tensors, storage_writer=writer, process_group=group,
-             planner=dcp.DefaultSavePlanner(enable_plan_caching=True))  # the same plan every time
-    dist.barrier(group)
+             planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
     if seal is not None and seal_behind:
         return PendingSave(_sealer().submit(seal), None)
     if seal is not None:
@@ -242,8 +239,8 @@ def load_parts(run_dir: Path, step: int, ranks: list[int], device: torch.device,
                make_sharded=None) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """(shared part or None, the parts of the saved `ranks`), as load_checkpoint."""
     path = step_dir(run_dir, step)
-    shared = _read(path / SHARED) if (path / SHARED).is_file() else None
-    parts = [_read(path / objects_file(r)) for r in ranks]
+    shared = _read(path / objects_file(0))["shared"]
+    parts = [_read(path / objects_file(r))["local"] for r in ranks]
     wanted: dict[str, torch.Tensor] = {}
     for skeleton in [*parts, *([shared] if shared is not None else [])]:
         wanted.update(state_tree.targets(skeleton, device, make_sharded))
