@@ -3,8 +3,9 @@
 Layout: `RUN_DIR/checkpoints/step-00000030/` holds DCP's files (`.metadata` and a `.distcp` file
 per rank) with every tensor of the state, `objects-rank<r>.pt` with the rest of it (state_tree:
 the skeletons, read with `weights_only=True`; rank 0's holds the shared part's too), and
-`manifest.json` (step, world size, the run's grid, SHA-256 and size of every file). The shared part (model and optimizer
-where every rank holds the same) is written once, by rank 0; each rank writes its own part
+`manifest.json` (step, world size, the run's grid, SHA-256 and size of every file). The shared
+part (model and optimizer where every rank holds the same) is written once, by rank 0; each rank
+writes its own part
 (communication state, RNG states, and model and optimizer where replicas differ); sharded state
 is saved as DTensors, which DCP reshards when a run of another size loads it. Ranks write into
 `step-<8-digit step>.tmp/`, every file fsync'ed; rank 0 then hashes what is on disk, writes the
