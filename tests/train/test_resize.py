@@ -1,5 +1,6 @@
 """A checkpoint resumes on another number of ranks: same global batch, same next steps."""
 
+import json
 import shutil
 
 import pytest
@@ -133,3 +134,18 @@ def test_asynchronous_checkpoints_resume_exactly(tmp_path):
     expected = _model(plain)
     for run_dir in (straight, resumed):
         assert all(torch.equal(_model(run_dir)[k], expected[k]) for k in expected)
+
+
+def test_a_resize_is_planned_again_and_kept_in_the_summary(tmp_path, capfd):
+    settings = ["run.hardware=h100-ib-ndr"]  # a preset: every run can price itself with it
+    straight = tmp_path / "dp2"
+    straight.mkdir()
+    run_workers(_run, 2, settings, straight, timeout=120)
+    resumed = _resume_from(straight, 5, tmp_path / "dp3")
+    (resize,) = run_workers(_run, 3, settings, resumed, timeout=120)[0]["resizes"]
+    assert (resize["step"], resize["old_world_size"], resize["new_world_size"]) == (5, 2, 3)
+    old, new = resize["predicted_step_seconds_old"], resize["predicted_step_seconds_new"]
+    assert 0 < old and 0 < new and new != old
+    assert json.loads((resumed / "prediction.json").read_text())["step_seconds"] == new  # made for dp3
+    assert f"resized from 2 to 3 ranks: predicted step {new * 1e3:.2f} ms (at 2: {old * 1e3:.2f} ms)" in (
+        capfd.readouterr().err)

@@ -230,11 +230,14 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
              options: Options | None = None) -> Estimate:
     """Predicted step time, throughput and memory of `plan` for `global_batch` samples per step."""
     opts = options or Options()
-    if global_batch % (plan.dp * plan.microbatches):
+    model_parallel = plan.tp > 1 or plan.pp > 1 or plan.microbatches > 1
+    if global_batch % (plan.dp * plan.microbatches) and model_parallel:
         unit = plan.dp * plan.microbatches
         raise UserError(f"global batch {global_batch} does not split into dp={plan.dp} x "
                         f"microbatches={plan.microbatches}; choose a multiple of {unit}")
-    micro = global_batch / (plan.dp * plan.microbatches)
+    # data-parallel ranks take near-equal shares of a batch that does not split evenly: the step
+    # waits for the largest
+    micro = -(-global_batch // plan.dp) / plan.microbatches
     slow = host_slowdown(hw, plan)
     dtype = profile.dtype
     fwd = [layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp) * slow for layer in profile.layers]
