@@ -135,12 +135,17 @@ def test_resume_on_the_same_grid_equals_a_straight_run(tmp_path, capfd):
         assert_close(a["final_loss"], b["final_loss"], rtol=0, atol=0)
         assert_close(a["val_loss"], b["val_loss"], rtol=0, atol=0)
 
-    refusals = run_workers(_train_or_refuse, 2, ["parallel.tp=2", "optim.max_steps=6"], resumed_dir,
+    # another grid goes on (tests/train/test_resplit.py), but not from an interleaved schedule's
+    assert run_workers(_train_or_refuse, 2, ["parallel.tp=2", "optim.max_steps=6"], resumed_dir,
+                       timeout=60) == [None, None]
+    interleaved = tmp_path / "interleaved"
+    interleaved.mkdir()
+    run_workers(_train, 2, [*CKPT, *INTERLEAVED, "optim.max_steps=2"], interleaved, timeout=60)
+    refusals = run_workers(_train_or_refuse, 2, ["parallel.tp=2", "optim.max_steps=4"], interleaved,
                            timeout=60)
     for message in refusals:
         assert message is not None
-        assert "[1, 1, 2] grid of 1 chunk(s) per stage; this run is [1, 2, 1]" in message
-        assert "resume on the same grid" in message
+        assert "saved by an interleaved schedule; resume it on its own grid" in message
 
 
 def _epochs_seen(rank, world, overrides):

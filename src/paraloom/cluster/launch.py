@@ -85,12 +85,13 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
                 log.close()
 
 
-def _wait_all(procs: list[subprocess.Popen], log_dir: Path, lost: dict[int, float | None],
-              start, *, run_dir: Path) -> None:
+def _wait_all(procs: list[subprocess.Popen], log_dir: Path, lost: dict[int, float | None] | None = None,
+              start=None, *, run_dir: Path | None = None) -> None:
     """Until every node is done; a node of `lost` that dies is let go (and started again, once, its
     seconds after the others have gone on without it), any other failure stops the run."""
     from paraloom.train.resume import read_resumes
 
+    lost = {} if lost is None else lost
     back_at: dict[int, float] = {}
     waiting: dict[int, tuple[float, int]] = {}  # node: (seconds, resizes on record when it was lost)
     started_again: set[int] = set()
