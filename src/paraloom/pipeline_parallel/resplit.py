@@ -72,10 +72,10 @@ def whole_state(parts: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], d
             {key: {name: _join(values) for name, values in named.items()} for key, named in optim.items()})
 
 
-def _own(model: nn.Module, key: str, value: torch.Tensor) -> torch.Tensor:
-    """This rank's tp slice of the whole `value` of its stage's `key`."""
+def _own(modules: dict[str, nn.Module], key: str, value: torch.Tensor) -> torch.Tensor:
+    """This rank's tp slice of the whole `value` of its stage's `key` (`modules`: the stage's, by name)."""
     prefix, _, leaf = key.rpartition(".")
-    layer = dict(model.named_modules()).get(prefix)
+    layer = modules.get(prefix)
     if isinstance(layer, PARALLEL_LAYERS) and leaf in layer.sharded and value.dim() > 0:
         return value.index_select(layer.sharded[leaf], layer.full_index.to(value.device))
     return value
@@ -86,9 +86,10 @@ def stage_states(model: nn.Module, optimizer_state: dict[str, Any], whole: dict[
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(model state dict, optimizer state dict) of this rank's stage and slice; `optimizer_state`: a
     saved rank's, for its hyper-parameters."""
-    state = {key: _own(model, key, whole[_whole_key(key, first_piece)]) for key in model.state_dict()}
+    modules = dict(model.named_modules())
+    state = {key: _own(modules, key, whole[_whole_key(key, first_piece)]) for key in model.state_dict()}
     keys = [name for name, _ in model.named_parameters()]
-    per_param = {i: {name: _own(model, key, value) for name, value in
+    per_param = {i: {name: _own(modules, key, value) for name, value in
                      whole_optim.get(_whole_key(key, first_piece), {}).items()} for i, key in enumerate(keys)}
     groups = [{**optimizer_state["param_groups"][0], "params": list(range(len(keys)))}]
     return state, {"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups}
