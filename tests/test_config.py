@@ -147,6 +147,10 @@ def test_model_parallel_world_checks(overrides, world, message):
     (["parallel.mode=ps", "parallel.tp=2"], r"parallel.mode=ps trains whole replicas: leave parallel.tp"),
     (["parallel.mode=ps", "parallel.pp=2"], r"parallel.mode=ps trains whole replicas"),
     (["parallel.microbatches=0"], r"parallel.microbatches=0 must be at least 1"),
+    ([*GPT, "parallel.pp=2", "run.resize_policy=per_rank_batch"],
+     r"run.resize_policy=per_rank_batch applies to data-parallel runs; a resized model_parallel run keeps"),
+    (["parallel.mode=ps", "run.resize_policy=per_rank_batch"], r"a resized parameter_server run keeps"),
+    (["run.resize_policy=per_rank"], r"per_rank"),
 ])
 def test_model_parallel_modes_refused(overrides, message):
     with pytest.raises(UserError, match=message):

@@ -29,6 +29,7 @@ ALL_REDUCE_ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "one_to_a
 SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an all-gather
 SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order
 COMM_SCHEDULERS = (*SCHEDULERS, "auto")  # auto: each tried for a few steps (data_parallel/auto.py)
+RESIZE_POLICIES = ("global_batch", "per_rank_batch")  # run.resize_policy: what a resized run keeps
 SYNC_MODES = ("sync", "one_step_delay", "local_sgd")  # what engine.step does after backward
 
 # compressor name -> the module of paraloom.compress that implements it (imported on first use)

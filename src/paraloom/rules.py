@@ -132,6 +132,9 @@ def check_strategy_settings(strategy: str, changed: dict[str, object], *, device
         value = str(value).lower() if isinstance(value, bool) else value  # as the user wrote it
         raise UserError(f"the {strategy} strategy does not use {key}={value}: {WHY_UNUSED[strategy]}; "
                         f"leave it at its default")
+    if strategy != "data_parallel" and changed.get("run.resize_policy", "global_batch") != "global_batch":
+        raise UserError(f"run.resize_policy={changed['run.resize_policy']} applies to data-parallel runs; "
+                        f"a resized {strategy} run keeps the global batch (leave it at global_batch)")
     if strategy == "parameter_server" and device == "cuda":
         raise UserError("the parameter_server strategy (parallel.mode=ps) runs on CPU (gloo) so far; "
                         "use run.device=cpu")

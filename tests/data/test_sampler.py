@@ -85,6 +85,22 @@ def test_resume_mid_epoch_skips_the_first_batches():
         sampler.loss_scale(0)
 
 
+def test_skip_resumes_an_epoch_at_a_sample_with_another_global_batch():
+    # 8 batches of 4 then the rest of the epoch in batches of 6 over 3 ranks: every sample once
+    before = ShardedBatchSampler(45, 4, rank=0, world=1, seed=5)
+    before.set_epoch(2)
+    first = [i for batch in list(before)[:8] for i in batch]
+    after = [ShardedBatchSampler(45, 6, rank=r, world=3, seed=5) for r in range(3)]
+    for sampler in after:
+        sampler.set_epoch(2, skip=32)
+    assert [len(s) for s in after] == [3, 3, 3] and after[0].global_counts() == [6, 6, 1]
+    rest = [i for s in after for b in s.batches() if b.scale > 0 for i in b.indices.tolist()]
+    assert sorted(first + rest) == list(range(45))
+    assert [s.loss_scales()[-1] for s in after] == [3.0, 0.0, 0.0]  # the last batch's one sample
+    with pytest.raises(UserError, match="skip=14"):
+        after[0].set_epoch(2, start=6, skip=14)
+
+
 def test_drop_last_skips_the_short_batch():
     for rank in range(3):
         kept = ShardedBatchSampler(22, 6, rank=rank, world=3, seed=1, drop_last=True)

@@ -1,13 +1,17 @@
 """A checkpoint resumes on another number of ranks: same global batch, same next steps."""
 
 import json
+import os
 import shutil
+from collections import Counter
 
 import pytest
 import torch
 from distributed import run_workers
 
 from paraloom.config import load_config
+from paraloom.data import DataSets, TensorPairs, make_synthetic
+from paraloom.data.sharding import ShardedBatches
 from paraloom.train import train
 from paraloom.train.checkpoint import load_checkpoint, step_dir
 
@@ -149,3 +153,52 @@ def test_a_resize_is_planned_again_and_kept_in_the_summary(tmp_path, capfd):
     assert json.loads((resumed / "prediction.json").read_text())["step_seconds"] == new  # made for dp3
     assert f"resized from 2 to 3 ranks: predicted step {new * 1e3:.2f} ms (at 2: {old * 1e3:.2f} ms)" in (
         capfd.readouterr().err)
+
+
+class Logged(torch.utils.data.Dataset):
+    """The synthetic training set, each sample read appended to `log`.<pid>."""
+
+    def __init__(self, x, y, log):
+        self.x, self.y, self.log = x, y, log
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        with open(f"{self.log}.{os.getpid()}", "a") as out:
+            out.write(f"{i}\n")
+        return self.x[i], self.y[i]
+
+
+def logged_data(log, n_samples=320):
+    split = make_synthetic(n_samples=n_samples)  # 256 training samples
+    return DataSets(Logged(split.x_train, split.y_train, log), TensorPairs(split.x_test, split.y_test),
+                    n_classes=split.n_classes)
+
+
+def _read_log(log):
+    return Counter(int(i) for path in log.parent.glob(log.name + ".*") for i in path.read_text().split())
+
+
+def test_per_rank_batch_policy_keeps_each_share_scales_the_rate_and_sees_every_sample_once(tmp_path, capfd):
+    log = tmp_path / "read"
+    settings = ["run.resize_policy=per_rank_batch", f"data.name={__name__}:logged_data",
+                f"data.options.log={log}", "model.hidden=16"]
+    straight = tmp_path / "dp4"
+    straight.mkdir()
+    run_workers(_run, 4, settings, straight, timeout=120)  # no resize: the configured run
+    resumed = _resume_from(straight, 5, tmp_path / "dp2")  # 5 steps of 32: 160 samples of epoch 0
+    for path in tmp_path.glob("read.*"):
+        path.unlink()
+    summary = run_workers(_run, 2, settings, resumed, timeout=120)[0]
+    # 15 steps of 32 = the whole epoch 0 and 224 samples of epoch 1, now in batches of 16
+    order = ShardedBatches(256, 32).order
+    probes = Counter({0: 2})  # each rank's model reads sample 0 for its input shape (models/make.py)
+    assert _read_log(log) == Counter(order(0)[160:].tolist()) + Counter(order(1)[:224].tolist()) + probes
+    assert summary["steps"] == 5 + 96 // 16 + 224 // 16 and summary["samples"] == 15 * 32
+    rates = [row["lr"] for row in map(json.loads, (resumed / "metrics.jsonl").read_text().splitlines())]
+    assert rates == [pytest.approx(0.005)] * 3  # steps 10, 20, 25; 0.01 x 16 / 32: the linear scaling rule
+    assert "global batch 32 on 4 workers -> 16 on 2, learning rate 0.005" in capfd.readouterr().err
+    back = _resume_from(resumed, 15, tmp_path / "dp4_again")  # and on 4 workers again: 32, 0.01
+    summary = run_workers(_run, 4, settings, back, timeout=120)[0]
+    assert summary["steps"] == 15 + 160 // 32 and summary["samples"] == 15 * 32

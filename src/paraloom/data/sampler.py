@@ -43,8 +43,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 loss = F.cross_entropy(ddp(x), y, reduction="sum") * sampler.loss_scale(i)
                 opt.zero_grad(); loss.backward(); opt.step()
 
-    `set_epoch(epoch, start=k)` resumes an epoch after its first k batches; `loss_scale(i)`,
-    `loss_scales()` and `global_counts()` count the batches this epoch yields, from `start` on.
+    `set_epoch(epoch, start=k)` resumes an epoch after its first k batches, `skip=s` after its
+    first s samples (a run resumed with another global batch); `loss_scale(i)`, `loss_scales()`
+    and `global_counts()` count the batches this epoch yields, from there on.
     A loop that indexes tensors itself iterates `batches()`: (indices, global_count, scale).
     `drop_last=True` skips the short last global batch.
     """
@@ -72,7 +73,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.shards = ShardedBatches(n, global_batch, rank=rank, world=world, seed=seed,
                                      shuffle=shuffle)
         self.drop_last = drop_last
-        self.epoch, self.start = 0, 0
+        self.epoch, self.skip = 0, 0  # samples of the epoch's order passed over
 
     @property
     def rank(self) -> int:
@@ -87,19 +88,25 @@ class ShardedBatchSampler(Sampler[list[int]]):
         full, rest = divmod(self.shards.n_samples, self.shards.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Draw epoch `epoch`'s order (as DistributedSampler) and skip its first `start` batches."""
+    def set_epoch(self, epoch: int, start: int = 0, *, skip: int = 0) -> None:
+        """Draw epoch `epoch`'s order (as DistributedSampler) and pass over its first `start` batches
+        and then `skip` samples."""
         if not 0 <= start <= self.n_batches():
             raise UserError(f"start={start} lies outside the epoch's {self.n_batches()} batches")
-        self.epoch, self.start = epoch, start
+        passed = min(start * self.shards.global_batch, self.shards.n_samples) + skip
+        if skip < 0 or passed > self.shards.n_samples:
+            raise UserError(f"skip={skip} after {start} batches lies outside the epoch's "
+                            f"{self.shards.n_samples} samples")
+        self.epoch, self.skip = epoch, passed
 
     def __len__(self) -> int:
-        return self.n_batches() - self.start
+        left, size = self.shards.n_samples - self.skip, self.shards.global_batch
+        return left // size if self.drop_last else -(-left // size)
 
     def global_counts(self) -> list[int]:
         """Samples in each global batch this epoch yields (from `start` on)."""
-        n, size = self.shards.n_samples, self.shards.global_batch
-        return [min(size, n - b * size) for b in range(self.start, self.n_batches())]
+        left, size = self.shards.n_samples - self.skip, self.shards.global_batch
+        return [min(size, left - b * size) for b in range(len(self))]
 
     def loss_scales(self) -> list[float]:
         """The factor for each batch's summed loss: world / global_count, 0 where the slice is empty."""
@@ -110,7 +117,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         if not 0 <= i < len(self):
             raise IndexError(f"batch {i} of an epoch that yields {len(self)}")
         size = self.shards.global_batch
-        return self._scale(min(size, self.shards.n_samples - (self.start + i) * size))
+        return self._scale(min(size, self.shards.n_samples - self.skip - i * size))
 
     def _scale(self, global_count: int) -> float:
         has_samples = self.rank < global_count  # tensor_split hands the short batch's spare to low ranks
@@ -118,8 +125,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def batches(self) -> Iterator[ShardBatch]:
         """This epoch's batches from `start` on, as (indices, global_count, loss scale)."""
-        global_batches = self.shards.order(self.epoch).split(self.shards.global_batch)
-        for b in range(self.start, self.n_batches()):
+        global_batches = self.shards.order(self.epoch)[self.skip:].split(self.shards.global_batch)
+        for b in range(len(self)):
             batch = global_batches[b]
             piece = batch.tensor_split(self.world)[self.rank]
             if piece.numel() == 0:  # keep DDP's collectives in step: one real sample, weighed 0

@@ -29,9 +29,9 @@ class Recipe:
                  clip_group: dist.ProcessGroup | None = None, counted=None) -> None:
         optim = cfg.optim
         momentum = 0.0 if cfg.comm.compressor == "dgc" else optim.momentum  # see dgc_options
-        self.optimizer = make_optimizer(optim.name, params, lr=optim.scaled_lr(cfg.data.batch_size),
-                                        momentum=momentum, weight_decay=optim.weight_decay,
-                                        options=optim.options)
+        self.base_lr = optim.scaled_lr(cfg.data.batch_size)
+        self.optimizer = make_optimizer(optim.name, params, lr=self.base_lr, momentum=momentum,
+                                        weight_decay=optim.weight_decay, options=optim.options)
         self.schedule = make_schedule(self.optimizer, **schedule_options(cfg, total_steps))
         self.scaler = LossScaler() if cfg.run.precision == "fp16" else None
         if self.scaler is not None:
@@ -65,9 +65,17 @@ class Recipe:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the optimizer's own: the schedule goes on from its step, at this recipe's base rate
+        where the checkpoint's differs (run.resize_policy=per_rank_batch scales it)."""
         self.schedule.load_state_dict(state["schedule"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        saved = self.schedule.base_lrs
+        if saved and saved[0] != self.base_lr:
+            ratio = self.base_lr / saved[0]
+            self.schedule.base_lrs = [lr * ratio for lr in saved]
+            for group in self.optimizer.param_groups:
+                group["initial_lr"], group["lr"] = group["initial_lr"] * ratio, group["lr"] * ratio
 
 
 def schedule_options(cfg: Config, total_steps: int) -> dict[str, Any]:

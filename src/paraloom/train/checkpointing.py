@@ -122,7 +122,10 @@ class Checkpoints:
             self.run_dir, step, local=local, shared=shared if self.is_main else None,
             keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
             async_group=self.async_group, seal_behind=True,
-            meta={"saved_at": time.time(), "grid": self.strategy.grid_record()})
+            meta={"saved_at": time.time(), "grid": self.strategy.grid_record(),
+                  # the data position and the batch it was taken at (train/resize_policy.py)
+                  "samples": self.counters["samples"], "global_batch": self.cfg.data.batch_size,
+                  "dp_size": self.strategy.dp_world_size})
         self.counters["checkpoint_seconds"] += time.perf_counter() - began
 
     def drain_saves(self) -> None:

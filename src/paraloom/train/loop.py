@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from paraloom.train.health import Health
 from paraloom.train.metrics import MetricsLogger, memory_mb, save_state, write_json
 from paraloom.train.progress import TrainProgress
 from paraloom.train.recipe import planned_steps, steps_per_epoch
+from paraloom.train.resize_policy import resized_config
 from paraloom.train.resume import ProgressMarker, read_resumes
 from paraloom.train.strategies import StepResult, Strategy
 from paraloom.train.strategy import make_strategy
@@ -56,6 +58,7 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
     if cfg.run.trace and run_dir is None:
         raise UserError("run.trace=true needs a run directory; give train() one on rank 0")
     data = load_data(cfg)
+    cfg = resized_config(cfg, run_dir, len(data.train))  # run.resize_policy
     timeline = Timeline(dist.get_rank()) if cfg.run.trace else None
     strategy = make_strategy(cfg, data, device=device, timeline=timeline)
     try:
@@ -84,6 +87,8 @@ class Loop(Checkpoints):
             raise UserError(f"data.batch_size={cfg.data.batch_size} exceeds the {n_train} training samples; "
                             "lower it")
         self.total_steps = planned_steps(cfg, n_train, drop_last=strategy.drop_last)
+        # samples an epoch trains on: the data position is counted in samples (run.resize_policy)
+        self.epoch_samples = self.per_epoch * cfg.data.batch_size if strategy.drop_last else n_train
         self.sampler = ShardedBatchSampler(n_train, cfg.data.batch_size, rank=strategy.dp_rank,
                                            world=strategy.dp_world_size, seed=cfg.run.seed,
                                            shuffle=cfg.data.shuffle, drop_last=strategy.drop_last)
@@ -133,7 +138,7 @@ class Loop(Checkpoints):
             self.loop_start, self.samples_at_start = time.perf_counter(), self.counters["samples"]
             self.eval_seconds = 0.0
             while self.step < self.total_steps:
-                epoch = self.step // self.per_epoch
+                epoch = self.counters["samples"] // self.epoch_samples
                 self.run_epoch(epoch)
                 if cfg.run.eval_every_epoch and self.step > 0:
                     self.evaluate_epoch()
@@ -159,12 +164,12 @@ class Loop(Checkpoints):
         return self.summarize(results)
 
     def run_epoch(self, epoch: int) -> None:
-        """The steps of `epoch` from the current position: a resumed run takes a straight run's batches."""
-        self.sampler.set_epoch(epoch, start=self.step % self.per_epoch)
-        counts, scales = self.sampler.global_counts(), self.sampler.loss_scales()
-        for (x, y), global_count, scale in zip(self.loader, counts, scales, strict=True):
-            if self.step == self.total_steps:
-                return
+        """The steps of `epoch` from the current position: a resumed run takes a straight run's batches
+        (one resumed with another global batch, the samples the interrupted epoch has left)."""
+        self.sampler.set_epoch(epoch, skip=self.counters["samples"] % self.epoch_samples)
+        left = self.total_steps - self.step  # no batch is read past the run's last step
+        counts, scales = self.sampler.global_counts()[:left], self.sampler.loss_scales()[:left]
+        for (x, y), global_count, scale in zip(islice(self.loader, left), counts, scales, strict=True):
             self.one_step(epoch, x, y, global_count, scale)
 
     def one_step(self, epoch: int, x: torch.Tensor, y: torch.Tensor, global_count: int, scale: float) -> None:
