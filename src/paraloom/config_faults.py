@@ -104,8 +104,8 @@ def check_lost_nodes(faults: list[Fault], node_range: tuple[int, int] | None, no
     if not lost:
         return
     if node_range is None:
-        raise UserError(f"--inject {lost[0].text()} needs run.nodes=MIN..MAX on a cluster, so that the run "
-                        "may go on without the node")
+        raise UserError(f"--inject {lost[0].text()} needs run.nodes=MIN..MAX (on a cluster, or local nodes), "
+                        "so that the run may go on without the node")
     low, high = node_range
     if len({f.node for f in lost}) > high - low:
         raise UserError(f"--inject loses {len({f.node for f in lost})} nodes; run.nodes={low}..{high} "

@@ -87,9 +87,9 @@ def test_the_launcher_lets_a_lost_node_go_and_stops_on_any_other_failure(tmp_pat
 
 def test_lose_needs_a_cluster_run_that_may_shrink(capsys):
     assert main(["train", "--inject", "lose:node=1,step=5"]) == 2
-    assert "needs run.nodes=MIN..MAX on a cluster" in capsys.readouterr().err
-    assert main(["train", "--set", "run.nodes=3..4"]) == 2
-    assert "run.nodes=3..4 needs a cluster" in capsys.readouterr().err
+    assert "needs run.nodes=MIN..MAX (on a cluster, or local nodes)" in capsys.readouterr().err
+    assert main(["train", "--set", "run.nodes=3..4", "--set", "run.max_restarts=0"]) == 2
+    assert "goes on through restarts: give run.max_restarts >= 1" in capsys.readouterr().err
     assert main(["train", "--set", "run.nodes=4..3"]) == 2
     assert "must read MIN..MAX with 1 <= MIN <= MAX" in capsys.readouterr().err
     assert main(["train", "--inject", "lose:node=0,step=5"]) == 2

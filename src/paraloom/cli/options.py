@@ -8,11 +8,18 @@ from paraloom.errors import UserError
 
 
 @contextlib.contextmanager
-def cluster_from_options(name: str | None, emulate: str | None):
-    """The cluster a command runs on: none (loopback), an existing one, or one made for it."""
+def cluster_from_options(name: str | None, emulate: str | None, *, local_nodes: int | None = None):
+    """The cluster a command runs on: none (loopback), an existing one, or one made for it; without
+    either, `local_nodes` agents on this machine (run.nodes), if given."""
     if name and emulate:
         raise UserError("give --cluster or --emulate, not both")
     if emulate is None:
+        if name is None and local_nodes is not None:
+            from paraloom.cluster.local import LocalNodes
+
+            with LocalNodes(local_nodes) as local:
+                yield local
+            return
         if name is None:
             yield None
             return

@@ -70,7 +70,8 @@ def train(
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, inject=joined))
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
-    with cluster_from_options(cluster, emulate) as nodes:
+    node_range = cfg.run.node_range()  # without a cluster: as many local nodes (cluster/local.py)
+    with cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) as nodes:
         world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
         if nodes and cfg.parallel.mode == "ps":  # on a cluster the servers take processes of their own
             world -= cfg.ps.servers

@@ -96,6 +96,9 @@ class EmulatedCluster:
                             f"`paraloom cluster up --nodes 4 --bandwidth 1gbit --name {name}`")
         return clusters[name]
 
+    interface = "eth0"  # each node's own link: gloo binds to it
+    rdzv_port = 29400  # on node 0's address
+
     @property
     def nodes(self) -> int:
         return self.spec.nodes
@@ -164,12 +167,7 @@ class EmulatedCluster:
         pids = []
         for ns in self._own_namespaces():
             pids += [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
-        _signal_all(pids, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
-            time.sleep(0.05)
-        _signal_all(pids, signal.SIGKILL)
+        stop_pids(pids, grace_s)
 
     def _own_namespaces(self) -> list[str]:
         return [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}-{self.name}-")]
@@ -193,6 +191,16 @@ class EmulatedCluster:
     def __exit__(self, *exc: object) -> None:
         _active.pop(self.name, None)
         self.down()
+
+
+def stop_pids(pids: list[int], grace_s: float) -> None:
+    """SIGTERM `pids`; SIGKILL those that outlive `grace_s`."""
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    _signal_all(pids, signal.SIGKILL)
 
 
 def _signal_all(pids: list[int], sig: int) -> None:

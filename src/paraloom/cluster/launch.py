@@ -1,4 +1,5 @@
-"""Run a module on every node of an emulated cluster: one torchrun (elastic agent) per namespace."""
+"""Run a module on every node of an emulated cluster (one torchrun, an elastic agent, per namespace)
+or on local nodes (one agent per node on this machine's loopback)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import uuid
 from pathlib import Path
 
 from paraloom.cluster.emulated import EmulatedCluster
+from paraloom.cluster.local import LocalNodes
 from paraloom.errors import WorkersFailed
 
-RDZV_PORT = 29400
 # Benchmarks measure from scratch on every attempt, so a worker that fails at start-up (seen once
 # in CI on a loaded machine, cause not captured) costs a retry, not the run.
 BENCH_RESTARTS = 1
 
 
-def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log_dir: Path,
+def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list[str], *, log_dir: Path,
                         nproc_per_node: int = 1, max_restarts: int = 0, min_nodes: int | None = None,
                         lost: dict[int, float | None] | None = None) -> None:
     """Start `python -m torch.distributed.run ... -m MODULE ARGS` in every node's namespace.
@@ -44,7 +45,7 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
     def start(node: int) -> subprocess.Popen:
         cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "torch.distributed.run",
                f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.address(0)}:{RDZV_PORT}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.address(0)}:{cluster.rdzv_port}",
                f"--rdzv-id={run_id}", f"--local-addr={cluster.address(node)}",
                # node 0 hosts the rendezvous store: its name resolves to loopback, so torch
                # cannot tell by itself that the endpoint address is its own
@@ -54,7 +55,7 @@ def torchrun_on_cluster(cluster: EmulatedCluster, module_args: list[str], *, log
         # own, on a port rank 0 picks afresh: no key of an earlier round can mislead them, and no key
         # prefix is needed that all ranks agree on (the agents' restart counts differ once a healthy
         # node restarts for a membership change, which does not count as a restart)
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS=str(threads),
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.interface, OMP_NUM_THREADS=str(threads),
                    PARALOOM_NODE=str(node), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         log = logs[node]
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
