@@ -93,6 +93,7 @@ def test_bsp_resumes_on_another_number_of_servers_and_workers_as_the_straight_ru
             assert torch.equal(_joined(loaded, name), _joined(saved, name)), name
         for piece in loaded:
             assert piece["clocks"] == dict.fromkeys(range(workers), 5) and piece["version"] == 5
+            assert piece["received"] == {w: 5 if w < 2 else 0 for w in range(workers)}  # a new worker: none
             assert float(piece["optimizer"]["state"][0]["step"]) == 5
         assert [state["clock"] for _, state in results[:workers]] == [5] * workers
         (resizes[workers, servers],) = summary["resizes"]

@@ -47,19 +47,19 @@ def recut(saved: list[dict[str, Any]], bounds: list[tuple[int, int]], *, n_param
     out = []
     for lo, hi in bounds:
         first = saved[bisect.bisect_right(starts, lo) - 1]  # the saved slice holding element lo
-        optimizer = copy.deepcopy(first["optimizer"])
-        states = optimizer["state"]
-        for key in list(states):
-            for name in states[key]:
-                if f"optimizer.{name}" in whole:
-                    states[key][name] = whole[f"optimizer.{name}"][lo:hi].clone()
-        for group in optimizer["param_groups"]:
+        saved_optimizer = first["optimizer"]
+        states = {key: {name: whole[f"optimizer.{name}"][lo:hi].clone() if f"optimizer.{name}" in whole
+                        else copy.deepcopy(value) for name, value in state.items()}
+                  for key, state in saved_optimizer["state"].items()}
+        groups = copy.deepcopy(saved_optimizer["param_groups"])
+        for group in groups:
             if "updates" in group:
                 group["updates"] = group["updates"] * new // old
+        received = {int(w): int(n) for w, n in first["received"].items()}
         out.append({"param": whole["param"][lo:hi].clone(), "grad": whole["grad"][lo:hi].clone(),
-                    "optimizer": optimizer, "clocks": dict.fromkeys(workers, clock),
-                    **{name: first[name] for name in COUNTERS},
-                    "received": {w: int(first["received"].get(w, 0)) for w in workers},
+                    "optimizer": {**saved_optimizer, "state": states, "param_groups": groups},
+                    "clocks": dict.fromkeys(workers, clock), **{name: first[name] for name in COUNTERS},
+                    "received": {w: received.get(w, 0) for w in workers},
                     "staleness": dict(first["staleness"]), "read_staleness": dict(first["read_staleness"])})
     return out
 
