@@ -201,15 +201,17 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
     return predicted
 
 
-def replan(run_dir, cfg, old_workers: int, new_workers: int, threads: int) -> dict[str, float | None]:
+def replan(run_dir, cfg, old_workers: int, new_workers: int, threads: int, *,
+           old_cfg=None) -> dict[str, float | None]:
     """A resize's predicted step seconds at the old size and at the new one (None where the profile
-    cannot price it); prediction.json is made again, for the new size, and the new one printed."""
+    cannot price it); prediction.json is made again, for the new size, and the new one printed.
+    `old_cfg`: the settings of the old size where they differ (another number of parameter servers)."""
     from paraloom.perfmodel.machine_profile import resolve_hardware
 
     (run_dir / PREDICTION).unlink(missing_ok=True)
     try:
         hardware = resolve_hardware(cfg.run.hardware, threads)
-        old = predict(cfg, old_workers, hardware)["step_seconds"] if hardware is not None else None
+        old = predict(old_cfg or cfg, old_workers, hardware)["step_seconds"] if hardware is not None else None
     except Exception:  # noqa: BLE001 (as load_or_predict: a prediction never stops the run)
         old = None
     new = load_or_predict(run_dir, cfg, new_workers, threads).get("step_seconds")

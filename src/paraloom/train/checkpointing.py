@@ -3,6 +3,7 @@ and the record of each resume and resize."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -94,14 +95,20 @@ class Checkpoints:
 
     def record_resize(self, step: int, saved_world: int, world: int) -> None:
         """Predict the step at the new size beside the old (the run's own profile) and keep the record."""
-        cfg = self.cfg
-        servers = cfg.ps.servers if cfg.parallel.mode == "ps" else 0
-        planned = replan(self.run_dir, cfg, saved_world - servers, world - servers, torch.get_num_threads())
+        cfg, manifest = self.cfg, manifest_of(step_dir(self.run_dir, step))
+        servers = old_servers = cfg.ps.servers if cfg.parallel.mode == "ps" else 0
+        saved_grid = manifest.get("grid")
+        if servers and saved_grid is not None and len(saved_grid) == 2:
+            old_servers = saved_grid[1]  # a parameter-server run's grid_record: [workers, servers]
+        old_cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, servers=old_servers)) \
+            if old_servers != servers else cfg
+        planned = replan(self.run_dir, cfg, saved_world - old_servers, world - servers,
+                         torch.get_num_threads(), old_cfg=old_cfg)
         old, new = planned["predicted_step_seconds_old"], planned["predicted_step_seconds_new"]
         if old is not None and new is not None:
             print(f"paraloom: resized from {saved_world} to {world} ranks: predicted step {new * 1e3:.2f} ms "
                   f"(at {saved_world}: {old * 1e3:.2f} ms)", file=sys.stderr)
-        saved_at = manifest_of(step_dir(self.run_dir, step)).get("saved_at")
+        saved_at = manifest.get("saved_at")
         record_resize(self.run_dir, {"step": step, "old_world_size": saved_world, "new_world_size": world,
                                      **planned}, saved_at=saved_at)
 

@@ -10,11 +10,16 @@ those pushes' replies until every worker's marked push has arrived at every slic
 worker's pushes applied equal its clock -- then every rank writes its part (servers: slices,
 optimizer state, clocks, versions; workers: their client state, and through the loop their RNG
 and data position). Non-finite pushes are dropped by the servers and counted, never applied.
+
+A run of another number of servers or workers resumes from it (load_resized): each server rebuilds
+its slices from every saved server's (parameter_server/resplit.py), the clocks restart at the cut,
+and the workers' compressor state starts from zero.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +39,7 @@ from paraloom.optim.precision import autocast
 from paraloom.optim.recipe import schedule_options, server_optimizer
 from paraloom.parameter_server.consistency import staleness_bound
 from paraloom.parameter_server.message import PushCodec, draw_token
+from paraloom.parameter_server.resplit import recut, saved_slices
 from paraloom.parameter_server.server import ParameterServer, serve
 from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.throughput import all_workers_throughput
@@ -68,7 +74,7 @@ class ParameterServerStrategy(Strategy):
             if clip is not None and average and self.n_servers > 1 else None
         self.model = make_model(cfg, data)
         self.total_steps = planned_steps(cfg, len(data.train))
-        n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.n_params = n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         layout = slice_layout(n_params, self.n_servers, max(1, int(cfg.ps.partition_mb * 2**20 / 4)))  # fp32
         self.bounds = [(lo, hi) for _, lo, hi in layout]
         servers = [self.n_workers + server for server, _, _ in layout]  # the rank owning each slice
@@ -78,7 +84,7 @@ class ParameterServerStrategy(Strategy):
         codecs = [PushCodec(hi - lo, compressor, options) for lo, hi in self.bounds]
         if self.serves:
             flat, _ = flatten_model(self.model)
-            mine = [i for i, owner in enumerate(servers) if owner == rank]
+            self.mine = mine = [i for i, owner in enumerate(servers) if owner == rank]  # slot order
             self.slices = [ParameterServer(
                 flat[self.bounds[i][0]:self.bounds[i][1]],
                 lambda params: server_optimizer(cfg, params, total_steps=self.total_steps,
@@ -215,6 +221,50 @@ class ParameterServerStrategy(Strategy):
                 piece.load_state_dict(saved)
         else:
             self.client.load_state_dict(state["client"])
+
+    def grid_record(self) -> list[int]:
+        return [self.n_workers, self.n_servers]
+
+    def resize_refusal(self) -> str | None:
+        return None  # every slice's state is cut again for the new servers: load_resized
+
+    def resize_sources(self, saved_world: int, saved_grid: list[int] | None) -> list[int]:
+        # rank 0 first (the loop's step, counters and RNG); a server: every saved server; a worker: its own
+        # saved part, for its counters, if it had one. A checkpoint without a grid (written before
+        # parameter-server runs recorded one) had this run's number of servers.
+        saved_workers = saved_grid[0] if saved_grid is not None and len(saved_grid) == 2 else \
+            max(1, saved_world - self.n_servers)
+        if self.serves:
+            return [0, *range(saved_workers, saved_world)]
+        rank = dist.get_rank()
+        return [0] if rank == 0 or rank >= saved_workers else [0, rank]
+
+    def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
+        """Another number of servers or workers: each new slice is rebuilt from the saved slices
+        (parameter_server/resplit.py); every clock, the workers' and the servers' of every worker,
+        restarts at the checkpoint's step; a worker keeps its own counters (a new one starts them
+        at zero), and its compressor state (error feedback, per old slice) starts from zero."""
+        if "client" not in state or (self.serves and any("slices" not in part for part in others)):
+            raise UserError("the checkpoint was not saved by a parameter-server run: resume it with the "
+                            "parallel.mode that saved it")
+        clock = int(state["client"]["clock"])  # the cut: every worker's pushes applied equal the step
+        if self.serves:
+            saved = saved_slices(others)
+            scale = (1, 1) if self.cfg.ps.consistency == "bsp" else (self.n_workers, len(saved[0]["clocks"]))
+            states = recut(saved, [self.bounds[i] for i in self.mine], n_params=self.n_params,
+                           workers=list(range(self.n_workers)), clock=clock, updates_scale=scale)
+            for piece, loaded in zip(self.slices, states, strict=True):
+                piece.load_state_dict(loaded)
+            return
+        if dist.get_rank() == 0 and any(state["client"]["compressors"]):
+            print(f"paraloom: note: comm.compressor={self.cfg.comm.compressor}: the workers' error-feedback "
+                  f"state starts from zero on {self.n_workers} workers and {self.n_servers} "
+                  f"server{'s' * (self.n_servers != 1)} "
+                  f"(saved by {saved_world} ranks)", file=sys.stderr)
+        own = state["client"] if dist.get_rank() == 0 else others[0]["client"] if others else {}
+        counters = ("pushes_sent", "pushes_during_backward", "wire_bytes", "wait_seconds")
+        fresh = self.client.state_dict()  # versions at 0 (the first pull reads them), compressors as new
+        self.client.load_state_dict({**fresh, **{k: own[k] for k in counters if k in own}, "clock": clock})
 
     def summary(self) -> dict[str, Any]:
         client, steps = self.client, max(self.client.clock, 1)
