@@ -152,9 +152,9 @@ def _epochs_seen(rank, world, overrides):
     seen = []
     original = ShardedBatchSampler.set_epoch
 
-    def recording(self, epoch, start=0):
+    def recording(self, epoch, start=0, **skip):
         seen.append(epoch)
-        return original(self, epoch, start)
+        return original(self, epoch, start, **skip)
 
     ShardedBatchSampler.set_epoch = recording  # this forked rank's copy only
     summary = _train(rank, world, overrides)

@@ -98,6 +98,7 @@ class EmulatedCluster:
 
     interface = "eth0"  # each node's own link: gloo binds to it
     rdzv_port = 29400  # on node 0's address
+    rdzv_conf = ""  # more of torch's rendezvous settings where the membership may change (torch's own)
 
     @property
     def nodes(self) -> int:

@@ -39,7 +39,7 @@ def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list
     # once MIN nodes have joined a rendezvous round, it waits this long for the others: long enough
     # for every node of a starting cluster to join (on a loaded machine some start seconds late), and
     # all a shrunk run waits for a lost node
-    last_call = ",last_call_timeout=10" if min_nodes is not None else ""
+    last_call = f",last_call_timeout=10{cluster.rdzv_conf}" if min_nodes is not None else ""
     procs, logs = [], []
 
     def start(node: int) -> subprocess.Popen:

@@ -17,6 +17,9 @@ class LocalNodes:
     """What `torchrun_on_cluster` needs of a cluster, for agents that all run here."""
 
     interface = "lo"
+    # a lost agent leaves the rendezvous once it has missed 3 heartbeats a second apart (torch's
+    # default: 5 s apart): agents on one machine are never slow to beat
+    rdzv_conf = ",keep_alive_interval=1,keep_alive_max_attempt=3"
 
     def __init__(self, nodes: int) -> None:
         self.nodes = nodes
