@@ -8,8 +8,9 @@ part (model and optimizer where every rank holds the same) is written once, by r
 writes its own part
 (communication state, RNG states, and model and optimizer where replicas differ); sharded state
 is saved as DTensors, which DCP reshards when a run of another size loads it. Ranks write into
-`step-<8-digit step>.tmp/`, every file fsync'ed; rank 0 then hashes what is on disk, writes the
-manifest and renames the folder into place, so a checkpoint is either whole or absent. Nothing
+`step-<8-digit step>.tmp/`; rank 0 then fsyncs and hashes what is on disk, writes the manifest
+and renames the folder into place, so a checkpoint is either whole or absent (with `seal_behind`,
+that sealing runs on a thread of rank 0's own, and no rank waits on the disk). Nothing
 of a checkpoint is read before every checksum matches (DCP's reader unpickles its `.metadata`):
 a damaged checkpoint is passed over for the previous one, with a warning naming the file. The
 run directory must be reachable from every rank (one machine, or a shared filesystem).
@@ -35,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from paraloom.train import state_tree
 
 FOLDER = "checkpoints"
+ROOT = "state"  # every tensor under one key: DCP logs each top-level key it turns into a state dict
 MANIFEST = "manifest.json"
 def objects_file(rank: int) -> str:
     return f"objects-rank{rank}.pt"
@@ -68,13 +70,13 @@ def save_checkpoint(run_dir: Path, step: int, *, local: dict[str, Any], shared: 
         shared_skeleton, shared_tensors = state_tree.split(shared, "shared")
         tensors.update(shared_tensors)
     _write(staging / objects_file(rank), {"local": skeleton, "shared": shared_skeleton})
-    writer = dcp.FileSystemWriter(staging, sync_files=True)
+    writer = dcp.FileSystemWriter(staging, sync_files=False)  # the seal fsyncs every file
     seal = (lambda: _seal(staging, final, step, world, meta, keep)) if rank == 0 else None
     if async_group is not None:  # rank 0's write finishes last: DCP's metadata waits for every rank's files
-        response = dcp.async_save(tensors, storage_writer=writer, process_group=async_group)
+        response = dcp.async_save({ROOT: tensors}, storage_writer=writer, process_group=async_group)
         return PendingSave(getattr(response, "upload_completion", response), seal)
     # the same plan every time; DCP's coordinator (rank 0) returns once every rank's files are written
-    dcp.save(tensors, storage_writer=writer, process_group=group,
+    dcp.save({ROOT: tensors}, storage_writer=writer, process_group=group,
              planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
     if seal is not None and seal_behind:
         return PendingSave(_sealer().submit(seal), None)
@@ -120,9 +122,9 @@ class PendingSave:
 
 
 def _seal(staging: Path, final: Path, step: int, world: int, meta: dict[str, Any] | None, keep: int) -> None:
-    """Hash what is on disk, write the manifest, and move the folder into place (rank 0)."""
+    """Flush every file to disk and hash it, write the manifest, and move the folder into place (rank 0)."""
     files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
-             for p in sorted(staging.iterdir()) if p.name != MANIFEST}
+             for p in sorted(staging.iterdir()) if p.name != MANIFEST}  # _sha256 fsyncs first
     manifest = {"step": step, "world_size": world, "format": "dcp", **(meta or {}), "files": files}
     with open(staging / MANIFEST, "w") as f:
         f.write(json.dumps(manifest, indent=1))
@@ -137,14 +139,14 @@ def _seal(staging: Path, final: Path, step: int, world: int, meta: dict[str, Any
 
 def _write(path: Path, obj: dict[str, Any]) -> None:
     with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+        torch.save(obj, f)  # fsync'ed by the seal
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, *, sync: bool = True) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
+        if sync:  # whatever process wrote it: its pages reach the disk
+            os.fsync(f.fileno())
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -181,7 +183,7 @@ def verify(path: Path) -> str | None:
         file = path / name
         if not file.is_file():
             return f"{file} is missing"
-        if file.stat().st_size != meta.get("bytes") or _sha256(file) != meta.get("sha256"):
+        if file.stat().st_size != meta.get("bytes") or _sha256(file, sync=False) != meta.get("sha256"):
             return f"{file} does not match its checksum (truncated or corrupt)"
     return None
 
@@ -248,7 +250,8 @@ def load_parts(run_dir: Path, step: int, ranks: list[int], device: torch.device,
     single = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # a single process: meant
-        dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=single)
+        dcp.load({ROOT: wanted}, storage_reader=dcp.FileSystemReader(path), process_group=group,
+                 no_dist=single)
     return (None if shared is None else state_tree.join(shared, wanted)), \
         [state_tree.join(part, wanted) for part in parts]
 
