@@ -30,6 +30,8 @@ SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an 
 SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order
 COMM_SCHEDULERS = (*SCHEDULERS, "auto")  # auto: each tried for a few steps (data_parallel/auto.py)
 RESIZE_POLICIES = ("global_batch", "per_rank_batch")  # run.resize_policy: what a resized run keeps
+BUCKET_SIZES_MB = (1.0, 5.0, 25.0, 100.0)  # comm.bucket_mb=auto tries these (data_parallel/auto.py)
+AUTO_START_BUCKET_MB = 25.0  # ... starting from DDP's default, which the perf model prices
 SYNC_MODES = ("sync", "one_step_delay", "local_sgd")  # what engine.step does after backward
 
 # compressor name -> the module of paraloom.compress that implements it (imported on first use)

@@ -201,7 +201,8 @@ class CommConfig:
     algorithm: str = _one_of(*choices.ALL_REDUCE_ALGORITHMS, default="native")  # gradient all-reduce
     engine: str = _one_of(*choices.ENGINES, default="bucketed")  # naive: one all-reduce per tensor
     scheduler: str = _one_of(*choices.COMM_SCHEDULERS, default="wait_free")  # launch order; auto: measured
-    bucket_mb: float = 25.0  # gradient bucket size (DDP's default)
+    # gradient bucket size, MB (DDP's default); auto: sizes tried on the first steps (data_parallel/auto.py)
+    bucket_mb: float | str = 25.0
     first_bucket_mb: float = 1.0  # the first bucket backward fills is small, to start early
     partition_mb: float = 2.0  # priority: tensors are cut into (and small ones merged up to) this size
     credit_mb: float = 8.0  # priority: at most this many MB in flight (planned and enforced)
@@ -220,12 +221,13 @@ class CommConfig:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise UserError(f"comm.timeout_s={self.timeout_s} must be positive")
-        if min(self.bucket_mb, self.first_bucket_mb, self.partition_mb) <= 0:
+        numeric = () if isinstance(self.bucket_mb, str) else (self.bucket_mb,)  # auto: rules.check_dp_options
+        if min(self.first_bucket_mb, self.partition_mb, *numeric) <= 0:
             raise UserError("comm.bucket_mb, comm.first_bucket_mb and comm.partition_mb must be positive")
         rules.check_dp_options(sync=self.sync, scheduler=self.scheduler, shard_optimizer=self.shard_optimizer,
                                algorithm=self.algorithm, local_steps=self.local_steps,
                                local_warmup=self.local_warmup, credit_mb=self.credit_mb,
-                               compressor=self.compressor)
+                               compressor=self.compressor, bucket_mb=self.bucket_mb)
         rules.check_compressor_options(self.compressor, density=self.density, bits=self.bits,
                                        lowrank=self.lowrank)
 

@@ -35,7 +35,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
         rules.check_pipeline_stages(pp=pp, model=cfg.model.name, n_layers=cfg.model.n_layers,
                                     virtual_stages=cfg.parallel.virtual_stages)
         rules.check_model_parallel_sync(dp=dp, sync=cfg.comm.sync, shard_optimizer=cfg.comm.shard_optimizer,
-                                        scheduler=cfg.comm.scheduler, compressor=cfg.comm.compressor)
+                                        scheduler=cfg.comm.scheduler, compressor=cfg.comm.compressor,
+                                        bucket_mb=cfg.comm.bucket_mb)
     if cfg.run.inject is not None:
         check_faults(parse_faults(cfg.run.inject), world_size)
     rules.check_model_data(cfg.model.name, cfg.data.name)

@@ -40,15 +40,23 @@ def is_factory(name: str) -> bool:
 
 def check_dp_options(*, sync: str = "sync", scheduler: str = "wait_free", shard_optimizer: bool = False,
                      algorithm: str = "native", local_steps: int = 4, local_warmup: int = 0,
-                     credit_mb: float = 8.0, compressor: str | None = None) -> None:
+                     credit_mb: float = 8.0, compressor: str | None = None,
+                     bucket_mb: float | str = 25.0) -> None:
     """The data-parallel engine's options (comm.*): each name known, and the combinations built."""
     check_name("comm.sync", sync, SYNC_MODES)
     check_name("comm.scheduler", scheduler, COMM_SCHEDULERS)
-    if scheduler == "auto" and (sync != "sync" or shard_optimizer or (compressor or "none") != "none"
-                                or algorithm != "native"):
+    if isinstance(bucket_mb, str) and bucket_mb != "auto":
+        raise UserError(f"comm.bucket_mb={bucket_mb!r} must be a number of MB or auto")
+    plain = sync == "sync" and not shard_optimizer and (compressor or "none") == "none" \
+        and algorithm == "native"  # what the trials of auto may switch between freely
+    if scheduler == "auto" and not plain:
         raise UserError("comm.scheduler=auto picks fifo, wait_free or priority for plain synchronous "
                         "averaging (comm.sync=sync, native all-reduce, no sharding, no compressor); "
                         "name a scheduler with these options")
+    if bucket_mb == "auto" and (not plain or scheduler == "priority"):
+        raise UserError("comm.bucket_mb=auto tries bucket sizes for plain synchronous averaging under fifo, "
+                        "wait_free or auto (comm.sync=sync, native all-reduce, no sharding, no compressor; "
+                        "priority cuts partitions of comm.partition_mb); give a number of MB")
     check_name("comm.algorithm", algorithm, ALL_REDUCE_ALGORITHMS)
     compressor = compressor or "none"
     check_name("comm.compressor", compressor, ("none", *COMPRESSORS))
@@ -176,14 +184,14 @@ def check_interleaving(*, schedule: str, virtual_stages: int, pp: int, microbatc
 
 
 def check_model_parallel_sync(*, dp: int, sync: str, shard_optimizer: bool, scheduler: str,
-                              compressor: str) -> None:
+                              compressor: str, bucket_mb: float | str = 25.0) -> None:
     """What data parallelism may do beside tensor or pipeline parallelism."""
     if sync != "sync" or shard_optimizer:
         raise UserError("tensor and pipeline parallelism run with comm.sync=sync and "
                         "comm.shard_optimizer=false")
-    if scheduler == "auto":
-        raise UserError("comm.scheduler=auto is for data parallelism alone so far; with tensor or pipeline "
-                        "parallelism name fifo, wait_free or priority")
+    if scheduler == "auto" or bucket_mb == "auto":
+        raise UserError("comm.scheduler=auto and comm.bucket_mb=auto are for data parallelism alone so far; "
+                        "with tensor or pipeline parallelism name a scheduler and a bucket size")
     if dp > 1 and scheduler == "priority" and compressor == "powersgd":
         raise UserError("comm.compressor=powersgd under comm.scheduler=priority needs a whole-world "
                         "data-parallel group; with tensor or pipeline parallelism use wait_free or fifo")

@@ -7,7 +7,8 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.data_parallel import DataParallel
-from paraloom.data_parallel.auto import CANDIDATES, TRIAL_STEPS
+from paraloom.data_parallel.auto import CANDIDATES, TRIAL_STEPS, WARMUP
+from paraloom.data_parallel.auto import STEPS as TIMED
 from paraloom.errors import UserError
 from paraloom.models import MLP
 
@@ -63,3 +64,47 @@ def test_the_non_finite_guard_holds_through_every_switch(nan_at):
 def test_auto_is_refused_where_it_cannot_choose_freely(sets, match):
     with pytest.raises(UserError, match=match):
         load_config(None, ["comm.scheduler=auto", *sets]).validate_world(2)
+
+
+def _train_buckets(rank, world, scheduler, bucket_mb, steps):
+    torch.manual_seed(0)
+    model = MLP((1, 8, 8), 10, hidden=512, depth=4)  # 3.4 MB of gradients: 1 MB buckets group them apart
+    engine = DataParallel(model, scheduler=scheduler, bucket_mb=bucket_mb)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+        F.cross_entropy(engine(x), y).backward()
+        engine.step(optimizer)
+    engine.finish()
+    chosen = engine.auto.chosen if engine.auto is not None else None
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.close()
+    return state, chosen
+
+
+@pytest.mark.parametrize("scheduler", ["wait_free", "auto"])
+def test_bucket_mb_auto_tries_the_sizes_that_group_the_model_apart_and_trains_exactly(scheduler, capfd):
+    trials = (3 if scheduler == "auto" else 1) + 1  # schedulers at 25 MB, then 1 MB (5, 100 group as 25)
+    steps = trials * (WARMUP + 1 + TIMED) + 4
+    auto = run_workers(_train_buckets, 2, scheduler, "auto", steps, timeout=180)
+    fixed = run_workers(_train_buckets, 2, "wait_free", 25.0, steps, timeout=180)
+    (state, chosen), (_, other) = auto
+    assert chosen == other and chosen["bucket_mb"] in (1.0, 25.0)
+    if chosen["scheduler"] != "priority":
+        assert set(chosen["bucket_seconds"]) == {1.0, 25.0} and chosen["bucket_mb"] == min(
+            chosen["bucket_seconds"], key=chosen["bucket_seconds"].get)
+    for key, value in fixed[0][0].items():
+        torch.testing.assert_close(state[key], value)
+    assert "comm.bucket_mb=auto" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("sets", "match"), [
+    (["comm.bucket_mb=auto", "comm.scheduler=priority"], "priority cuts partitions"),
+    (["comm.bucket_mb=auto", "comm.compressor=fp16"], "comm.bucket_mb=auto tries bucket sizes"),
+    (["comm.bucket_mb=big"], "must be a number of MB or auto"),
+    (["comm.bucket_mb=auto", "parallel.pp=2", "model.name=gpt", "data.name=text"], "data parallelism alone"),
+])
+def test_bucket_mb_auto_is_refused_where_it_cannot_choose_freely(sets, match):
+    with pytest.raises(UserError, match=match):
+        load_config(None, sets).validate_world(2)

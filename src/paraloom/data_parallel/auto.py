@@ -1,4 +1,5 @@
-"""comm.scheduler=auto: each scheduler tried for a few steps of this very run, the fastest kept.
+"""comm.scheduler=auto and comm.bucket_mb=auto: each candidate tried for a few steps of this very
+run, the fastest kept.
 
 Which scheduler is fastest depends on the model, the link and the cores: on loopback, where
 gloo's reductions share the cores with backward, overlapping buys nothing and fifo wins; on a
@@ -7,9 +8,13 @@ slower one still, wait_free. The overlap model (perfmodel/overlap.py) leaves out
 that communication and computation share, so the engine measures instead: `WARMUP` untimed and
 `STEPS` timed steps each of wait_free, fifo and priority (priority rebuilds the buckets as its
 partitions), the median step of each taken as the slowest rank's (one small all-reduce), and
-the fastest kept for the rest of the run. Every rank switches at the same step. The steps are
-the caller's own training steps, exact synchronous SGD under any of the three: only their speed
-differs. The choice and the gain it measured are printed once, on rank 0, and kept in `chosen`.
+the fastest kept for the rest of the run. With comm.bucket_mb=auto, the bucket size is tried
+next the same way, under the scheduler kept (unless it is priority, which cuts partitions of
+comm.partition_mb instead): the sizes of `BUCKET_SIZES` that group this model's gradients
+differently from the size of the first round, 25 MB. Every rank switches at the same step. The
+steps are the caller's own training steps, exact synchronous SGD under any candidate: only their
+speed differs. The choice and the gain it measured are printed once, on rank 0, and kept in
+`chosen`.
 """
 
 from __future__ import annotations
@@ -21,21 +26,32 @@ import time
 import torch
 import torch.distributed as dist
 
-from paraloom.data_parallel.configure import configure
+from paraloom.choices import AUTO_START_BUCKET_MB, BUCKET_SIZES_MB
+from paraloom.data_parallel.bucket import assign_buckets
+from paraloom.data_parallel.configure import MB, configure
 
 CANDIDATES = ("wait_free", "fifo", "priority")  # the engine starts with the first
+BUCKET_SIZES, START_BUCKET_MB = BUCKET_SIZES_MB, AUTO_START_BUCKET_MB
 WARMUP, STEPS = 2, 5  # per candidate: steps after a switch left untimed (and one more), then timed
-TRIAL_STEPS = len(CANDIDATES) * (WARMUP + 1 + STEPS)  # steps before the choice, which the last makes
+TRIAL_STEPS = len(CANDIDATES) * (WARMUP + 1 + STEPS)  # steps before the scheduler's choice
 
 
 class AutoScheduler:
-    """Times the engine's steps under each candidate, then settles on the fastest."""
+    """Times the engine's steps under each candidate (scheduler, bucket MB), then settles on the
+    fastest: first among `schedulers` at the engine's bucket size, then, with `buckets`, among the
+    bucket sizes under the scheduler kept."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, engine, *, schedulers: tuple[str, ...] = CANDIDATES, buckets: bool = False) -> None:
+        self.engine, self.buckets = engine, buckets
+        self.trials = [(name, engine._options["bucket_mb"]) for name in schedulers]
         self.index, self.count, self.last = 0, 0, None
-        self.times: dict[str, list[float]] = {name: [] for name in CANDIDATES}
-        self.chosen: dict | None = None  # {"scheduler", "seconds": {candidate: median step}}
+        self.times: dict[tuple[str, float], list[float]] = {trial: [] for trial in self.trials}
+        self.scheduler: str | None = None  # kept after the first round
+        self.chosen: dict | None = None  # {"scheduler", "seconds": {scheduler: median step}, ...}
+
+    def start(self) -> str:
+        """The scheduler the engine starts with (the first trial's)."""
+        return self.trials[0][0]
 
     def after_step(self) -> None:
         """At the end of every engine step (rank by rank, the same step on all)."""
@@ -43,38 +59,98 @@ class AutoScheduler:
             return
         now = time.perf_counter()
         if self.last is not None and self.count > WARMUP:
-            self.times[CANDIDATES[self.index]].append(now - self.last)
+            self.times[self.trials[self.index]].append(now - self.last)
         self.count += 1
         self.last = now
         if self.count < WARMUP + STEPS + 1:
             return
         self.index, self.count, self.last = self.index + 1, 0, None
-        if self.index < len(CANDIDATES):
-            self._switch(CANDIDATES[self.index])
+        if self.index < len(self.trials):
+            self._switch(*self.trials[self.index])
+        elif self.scheduler is None:
+            self._settle_scheduler()
         else:
-            self._settle()
+            self._settle_bucket()
 
-    def _settle(self) -> None:
-        medians = torch.tensor([statistics.median(self.times[name]) for name in CANDIDATES],
-                               dtype=torch.float64)
-        engine = self.engine
-        if engine.world_size > 1:  # the slowest rank's: every rank then picks the same
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=engine.group)
-        seconds = dict(zip(CANDIDATES, medians.tolist(), strict=True))
-        best = min(CANDIDATES, key=seconds.get)
-        self.chosen = {"scheduler": best, "seconds": seconds}
-        if best != engine.scheduler:
-            self._switch(best)
+    def _slowest_medians(self, trials: list[tuple[str, float]]) -> list[float]:
+        medians = torch.tensor([statistics.median(self.times[t]) for t in trials], dtype=torch.float64)
+        if self.engine.world_size > 1:  # the slowest rank's: every rank then picks the same
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.engine.group)
+        return medians.tolist()
+
+    def _settle_scheduler(self) -> None:
+        trials = list(self.trials)
+        seconds = dict(zip((name for name, _ in trials), self._slowest_medians(trials), strict=True))
+        best = min(seconds, key=seconds.get)
+        self.scheduler, self.seconds = best, seconds
+        size = self.engine._options["bucket_mb"]
+        sizes = self._distinct_sizes(size) if self.buckets and best != "priority" else []
+        more = [(best, mb) for mb in sizes]
+        if more:  # the bucket sizes next, under the scheduler kept
+            self.trials += more
+            self.times.update({trial: [] for trial in more})
+            self._switch(*more[0])
+            return
+        self._settle(best, size if best != "priority" else None, {})
+
+    def _settle_bucket(self) -> None:
+        trials = [t for t in self.trials if t[0] == self.scheduler]  # the first round's size among them
+        medians = dict(zip((mb for _, mb in trials), self._slowest_medians(trials), strict=True))
+        best = min(medians, key=medians.get)
+        self._settle(self.scheduler, best, medians)
+
+    def _settle(self, scheduler: str, bucket_mb: float | None, bucket_seconds: dict[float, float]) -> None:
+        engine, seconds = self.engine, self.seconds
+        self.chosen = {"scheduler": scheduler, "seconds": seconds}
+        if self.buckets:
+            self.chosen.update(bucket_mb=bucket_mb, bucket_seconds=bucket_seconds)
+        if (scheduler, bucket_mb) != (engine.scheduler, engine._options["bucket_mb"]):
+            self._switch(scheduler, bucket_mb if bucket_mb is not None else engine._options["bucket_mb"])
         if engine.rank == 0:
-            others = ", ".join(f"{n} {seconds[n] * 1e3:.1f}" for n in CANDIDATES if n != best)
-            gain = seconds["wait_free"] / seconds[best] - 1
-            print(f"paraloom: comm.scheduler=auto chose {best}: {seconds[best] * 1e3:.1f} ms a step "
-                  f"({others} ms; {STEPS} steps each), {gain:.1%} faster than wait_free", file=sys.stderr)
+            print(f"paraloom: {self._summary()}", file=sys.stderr)
 
-    def _switch(self, scheduler: str) -> None:
-        """Land whatever is pending (priority defers updates), then rebuild for `scheduler`."""
+    def _summary(self) -> str:
+        chosen, seconds = self.chosen, self.seconds
+        best = chosen["scheduler"]
+        if len(seconds) > 1:
+            others = ", ".join(f"{n} {seconds[n] * 1e3:.1f}" for n in seconds if n != best)
+            gain = seconds.get("wait_free", seconds[best]) / seconds[best] - 1
+            text = (f"comm.scheduler=auto chose {best}: {seconds[best] * 1e3:.1f} ms a step ({others} ms; "
+                    f"{STEPS} steps each), {gain:.1%} faster than wait_free")
+        else:
+            text = f"comm.scheduler={best}"
+        if self.buckets:
+            sizes = chosen["bucket_seconds"]
+            if chosen["bucket_mb"] is None:
+                text += "; comm.bucket_mb=auto: priority cuts partitions of comm.partition_mb instead"
+            elif sizes:
+                tried = ", ".join(f"{mb:g} MB {t * 1e3:.1f}" for mb, t in sizes.items())
+                text += f"; comm.bucket_mb=auto chose {chosen['bucket_mb']:g} MB ({tried} ms a step)"
+            else:
+                text += f"; comm.bucket_mb=auto: every size groups this model as {chosen['bucket_mb']:g} MB"
+        return text
+
+    def _distinct_sizes(self, start: float) -> list[float]:
+        """The sizes of BUCKET_SIZES that cut this model's gradients into other buckets than `start`
+        (and than each other)."""
+        engine = self.engine
+        sizes = [(p.numel() * p.element_size(), p.dtype) for p in engine.params]
+        first = int(engine._options["first_bucket_mb"] * MB)
+        seen = {str(assign_buckets(sizes, int(start * MB), first))}
+        kept = []
+        for mb in BUCKET_SIZES:
+            grouping = str(assign_buckets(sizes, int(mb * MB), first))
+            if grouping not in seen:
+                seen.add(grouping)
+                kept.append(mb)
+        return kept
+
+    def _switch(self, scheduler: str, bucket_mb: float) -> None:
+        """Land whatever is pending (priority defers updates), then rebuild for `scheduler` and
+        `bucket_mb`."""
         engine = self.engine
         engine.finish()
+        engine._options["bucket_mb"] = bucket_mb
         configure(engine, scheduler)
         if engine._guard_asked is not None:
             engine.guard_nonfinite(*engine._guard_asked)

@@ -27,7 +27,7 @@ from paraloom.comm.executor import CommThread
 from paraloom.comm.policies import CommTask
 from paraloom.compress import make_compressor
 from paraloom.data_parallel import ddp_args
-from paraloom.data_parallel.auto import AutoScheduler
+from paraloom.data_parallel.auto import CANDIDATES, START_BUCKET_MB, AutoScheduler
 from paraloom.data_parallel.bucket import Bucket, Piece
 from paraloom.data_parallel.configure import configure
 from paraloom.data_parallel.ddp_interface import DDPInterface
@@ -62,7 +62,8 @@ class DataParallel(DDPInterface, nn.Module):
         compressor = o["compressor"]
         # refuse bad options before touching the model or the group
         check_dp_options(**{k: o[k] for k in ("sync", "scheduler", "shard_optimizer", "algorithm",
-                                              "local_steps", "local_warmup", "credit_mb", "compressor")})
+                                              "local_steps", "local_warmup", "credit_mb", "compressor",
+                                              "bucket_mb")})
         self.compressor = None
         if compressor == "powersgd":
             self.compressor = PowerSGDReducer(**o["compressor_options"])
@@ -102,8 +103,14 @@ class DataParallel(DDPInterface, nn.Module):
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._updater_hooks: list = []
         self._executor = None
-        self.auto = AutoScheduler(self) if scheduler == "auto" else None  # it starts with wait_free
-        configure(self, "wait_free" if scheduler == "auto" else scheduler)
+        self.auto = None  # comm.scheduler=auto or comm.bucket_mb=auto: trials on the first steps
+        sizes_tried = o["bucket_mb"] == "auto"
+        if scheduler == "auto" or sizes_tried:
+            o["bucket_mb"] = START_BUCKET_MB if sizes_tried else o["bucket_mb"]
+            self.auto = AutoScheduler(self, schedulers=CANDIDATES if scheduler == "auto" else (scheduler,),
+                                      buckets=sizes_tried)
+            scheduler = self.auto.start()
+        configure(self, scheduler)
 
     def forward(self, *args, **kwargs):
         self._pre_forward()

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 
+from paraloom.choices import AUTO_START_BUCKET_MB
 from paraloom.config import Config
 from paraloom.perfmodel.strategies import Options, Plan
 
@@ -53,7 +54,8 @@ def predictable(cfg: Config, world: int) -> Predictable:
                 compressor=comm.compressor, algorithm=comm.algorithm,
                 servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")
     optimizer = "adam" if cfg.optim.name == "adam" else ("momentum" if cfg.optim.momentum else "sgd")
-    options = Options(optimizer=optimizer, bucket_mb=comm.bucket_mb, first_bucket_mb=comm.first_bucket_mb,
+    options = Options(optimizer=optimizer, first_bucket_mb=comm.first_bucket_mb,
+                      bucket_mb=AUTO_START_BUCKET_MB if comm.bucket_mb == "auto" else comm.bucket_mb,
                       partition_mb=comm.partition_mb, credit_mb=comm.credit_mb,
                       ps_partition_mb=cfg.ps.partition_mb, shard_optimizer=comm.shard_optimizer,
                       guard=cfg.guard.nan)
