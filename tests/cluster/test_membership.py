@@ -27,7 +27,7 @@ def _train(tmp_path, name: str, inject: str, epochs: int) -> dict:
     sets = [arg for s in settings for arg in ("--set", s)]
     proc = subprocess.run([sys.executable, "-m", "paraloom", "train", "--emulate", "4x1gbit", *sets,
                            "--inject", inject], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stderr[-6000:] + "\nnode 0's output:\n" + proc.stdout[-6000:]
     assert "node 3 lost" in proc.stderr
     return json.loads((tmp_path / name / "summary.json").read_text())
 
