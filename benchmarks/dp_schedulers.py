@@ -74,6 +74,11 @@ def summarize(cases: dict, nodes: int) -> dict:
         out["ratio_auto_vs_best_fixed"] = {case: c["seconds"]["auto"] / min(c["seconds"][v] for v in fixed)
                                            for case, c in cases.items()}
         out["auto_chose"] = {case: c.get("auto_chose") for case, c in cases.items()}
+    if "auto_bucket" in balanced["seconds"] and all(v in balanced["seconds"] for v in fixed):
+        # comm.bucket_mb=auto as well: against the best fixed scheduler at the given bucket size
+        out["ratio_auto_bucket_vs_best_fixed"] = {case: c["seconds"]["auto_bucket"] / min(
+            c["seconds"][v] for v in fixed) for case, c in cases.items()}
+        out["auto_bucket_chose"] = {case: c.get("auto_bucket_chose") for case, c in cases.items()}
     for variant, base in (("drop_in", "wait_free"), ("priority_drop_in", "priority")):
         if variant in balanced["seconds"] and base in balanced["seconds"]:
             out[f"ratio_{variant}_vs_{base}"] = {case: c["seconds"][variant] / c["seconds"][base]

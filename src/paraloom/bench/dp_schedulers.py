@@ -8,7 +8,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_step_delay", "local_sgd")
+VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "auto_bucket", "one_step_delay",
+            "local_sgd")
 # ddp_view: DDP with gradient_as_bucket_view; the last four are paraloom's engine with
 # comm.scheduler=priority, comm.scheduler=auto (its trials run before the timed steps, as more
 # warm-up), comm.sync=one_step_delay, comm.sync=local_sgd (H = 4). On request:
@@ -17,6 +18,7 @@ VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_ste
 DROP_IN = ("drop_in", "priority_drop_in")
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
                  "priority": {"scheduler": "priority"}, "auto": {"scheduler": "auto"},
+                 "auto_bucket": {"scheduler": "auto", "bucket_mb": "auto"},  # comm.bucket_mb=auto too
                  "one_step_delay": {"sync": "one_step_delay"},
                  "local_sgd": {"sync": "local_sgd", "local_steps": 4},
                  "drop_in": {"scheduler": "wait_free"}, "priority_drop_in": {"scheduler": "priority"}}
@@ -48,8 +50,9 @@ def _variant(options: dict[str, Any], variant: str, rank: int, traced: bool):
     if variant.startswith("ddp"):
         engine = DDP(model, bucket_cap_mb=options["bucket_mb"], gradient_as_bucket_view=variant == "ddp_view")
     else:
-        kwargs = {**ENGINE_KWARGS[variant], **options.get("engine_options", {}).get(variant, {})}
-        engine = DataParallel(model, bucket_mb=options["bucket_mb"], timeline=timeline, **kwargs)
+        kwargs = {"bucket_mb": options["bucket_mb"], **ENGINE_KWARGS[variant],
+                  **options.get("engine_options", {}).get(variant, {})}
+        engine = DataParallel(model, timeline=timeline, **kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if variant == "priority_drop_in":
         optimizer = DistributedOptimizer(optimizer, engine)
@@ -82,14 +85,16 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from paraloom.data import ShardedBatches, load_dataset
-    from paraloom.data_parallel.auto import TRIAL_STEPS
+    from paraloom.data_parallel.auto import BUCKET_SIZES, STEPS, TRIAL_STEPS, WARMUP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     split = load_dataset("digits")
     batches = ShardedBatches(len(split.y_train), options["batch"], rank=rank, world=world, seed=0)
-    longest = options["warmup"] + TRIAL_STEPS  # auto's trials, then the usual warm-up
+    trials = {"auto": TRIAL_STEPS,  # steps before the choice (bucket sizes: at most 3 more trials)
+              "auto_bucket": TRIAL_STEPS + (len(BUCKET_SIZES) - 1) * (WARMUP + 1 + STEPS)}
+    longest = options["warmup"] + trials["auto_bucket"]  # auto's trials at most, then the usual warm-up
     order = [idx for e in range(100) for idx, _ in batches.epoch(e)][: longest + options["steps"]]
 
     def timed(step_fn, finish=None, timeline=None, trace_path=None, warmup: int = options["warmup"]) -> float:
@@ -133,17 +138,18 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
             traced = bool(options.get("trace_dir")) and round_index == options["rounds"] - 1
             step, engine, timeline, trace_path = _variant(options, variant, rank, traced)
             finish = None if variant.startswith("ddp") else engine.finish
-            warmup = longest if variant == "auto" else options["warmup"]
+            warmup = options["warmup"] + trials.get(variant, 0)
             samples.setdefault(variant, []).append(timed(step, finish, timeline, trace_path, warmup))
-            if variant == "auto":  # which one it settled on, round by round
-                samples.setdefault("auto_chose", []).append(engine.auto.chosen["scheduler"])
+            if variant in trials:  # which one it settled on, round by round
+                chosen = engine.auto.chosen
+                samples.setdefault(f"{variant}_chose", []).append(
+                    chosen["scheduler"] + (f" {chosen['bucket_mb']:g} MB" if chosen.get("bucket_mb") else ""))
             if not variant.startswith("ddp"):
                 engine.close()
-    chose = samples.pop("auto_chose", None)
+    chose = {key: samples.pop(key) for key in ("auto_chose", "auto_bucket_chose") if key in samples}
     results = {name: statistics.median(times) for name, times in samples.items()}
     dist.destroy_process_group()
-    out = {"world_size": world, "params": n_params, "seconds": results}
-    return {**out, "auto_chose": chose} if chose else out
+    return {"world_size": world, "params": n_params, "seconds": results, **chose}
 
 
 def run(*, cluster=None, nproc: int = 2, hidden: int = 2048, depth: int = 3, batch: int = 64,
