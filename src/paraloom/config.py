@@ -45,9 +45,7 @@ class RunConfig:
     # "MIN..MAX" on a cluster: the run goes on with as few as MIN nodes (torchrun --nnodes MIN:MAX);
     # a node lost for good leaves the survivors to resume at the smaller size, one that joins grows it
     nodes: str | None = None
-    # what a run resumed on another number of data-parallel workers keeps: the global batch (each
-    # worker's share grows or shrinks) or the per-rank batch (the global batch and, by the linear
-    # scaling rule, the learning rate follow the number of workers); train/resize_policy.py
+    # what a data-parallel run resumed on another number of workers keeps (train/resize_policy.py)
     resize_policy: str = _one_of(*choices.RESIZE_POLICIES, default="global_batch")
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
     eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy
