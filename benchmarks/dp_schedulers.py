@@ -25,7 +25,7 @@ from clusters import emulated
 from common import make_table, write_json
 from rich.console import Console
 
-from paraloom.bench.dp_schedulers import DROP_IN, VARIANTS, run
+from paraloom.bench.dp_schedulers import DROP_IN, OPT_IN, VARIANTS, run
 from paraloom.cluster.spec import format_rate
 
 MODEL = {"hidden": 1024, "depth": 9}
@@ -90,15 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps: a smoke run")
     parser.add_argument("--trace", metavar="DIR", help="write Chrome traces of paraloom's variants here")
+    known = VARIANTS + DROP_IN + OPT_IN
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, of {', '.join(VARIANTS + DROP_IN)} (wait_free always runs)")
+                        help=f"comma-separated, of {', '.join(known)} (wait_free always runs)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant in turn (median)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     variants = tuple(dict.fromkeys(["wait_free", *args.variants.split(",")]))
-    unknown = set(variants) - set(VARIANTS + DROP_IN)
+    unknown = set(variants) - set(known)
     if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS + DROP_IN)}")
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(known)}")
     size = {**MODEL, "rounds": args.rounds, "variants": variants}
     if args.quick:
         size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1, "variants": variants}

@@ -8,14 +8,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "auto_bucket", "one_step_delay",
-            "local_sgd")
+VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_step_delay", "local_sgd")
 # ddp_view: DDP with gradient_as_bucket_view; the last four are paraloom's engine with
 # comm.scheduler=priority, comm.scheduler=auto (its trials run before the timed steps, as more
 # warm-up), comm.sync=one_step_delay, comm.sync=local_sgd (H = 4). On request:
 # drop_in and priority_drop_in run wait_free and priority through DDP's own loop
 # (zero_grad(); backward(); optimizer.step(), priority's optimizer a DistributedOptimizer)
 DROP_IN = ("drop_in", "priority_drop_in")
+OPT_IN = ("auto_bucket",)  # run when asked for (--variants): 24 more trial steps a round than auto
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
                  "priority": {"scheduler": "priority"}, "auto": {"scheduler": "auto"},
                  "auto_bucket": {"scheduler": "auto", "bucket_mb": "auto"},  # comm.bucket_mb=auto too
