@@ -7,8 +7,7 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.data_parallel import DataParallel
-from paraloom.data_parallel.auto import CANDIDATES, TRIAL_STEPS, WARMUP
-from paraloom.data_parallel.auto import STEPS as TIMED
+from paraloom.data_parallel.auto import CANDIDATES, TRIAL_STEPS, trial_steps
 from paraloom.errors import UserError
 from paraloom.models import MLP
 
@@ -85,8 +84,8 @@ def _train_buckets(rank, world, scheduler, bucket_mb, steps):
 
 @pytest.mark.parametrize("scheduler", ["wait_free", "auto"])
 def test_bucket_mb_auto_tries_the_sizes_that_group_the_model_apart_and_trains_exactly(scheduler, capfd):
-    trials = (3 if scheduler == "auto" else 1) + 1  # schedulers at 25 MB, then 1 MB (5, 100 group as 25)
-    steps = trials * (WARMUP + 1 + TIMED) + 4
+    # the schedulers at 25 MB, then 25 MB against 1 MB (5 and 100 group the model as 25 does)
+    steps = trial_steps(3 if scheduler == "auto" else 1) + trial_steps(2) + 4
     auto = run_workers(_train_buckets, 2, scheduler, "auto", steps, timeout=180)
     fixed = run_workers(_train_buckets, 2, "wait_free", 25.0, steps, timeout=180)
     (state, chosen), (_, other) = auto

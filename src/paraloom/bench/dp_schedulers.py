@@ -15,7 +15,7 @@ VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_ste
 # drop_in and priority_drop_in run wait_free and priority through DDP's own loop
 # (zero_grad(); backward(); optimizer.step(), priority's optimizer a DistributedOptimizer)
 DROP_IN = ("drop_in", "priority_drop_in")
-OPT_IN = ("auto_bucket",)  # run when asked for (--variants): 24 more trial steps a round than auto
+OPT_IN = ("auto_bucket",)  # run when asked for (--variants): up to 40 more trial steps a round than auto
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
                  "priority": {"scheduler": "priority"}, "auto": {"scheduler": "auto"},
                  "auto_bucket": {"scheduler": "auto", "bucket_mb": "auto"},  # comm.bucket_mb=auto too
@@ -85,15 +85,15 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from paraloom.data import ShardedBatches, load_dataset
-    from paraloom.data_parallel.auto import BUCKET_SIZES, STEPS, TRIAL_STEPS, WARMUP
+    from paraloom.data_parallel.auto import BUCKET_SIZES, TRIAL_STEPS, trial_steps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     split = load_dataset("digits")
     batches = ShardedBatches(len(split.y_train), options["batch"], rank=rank, world=world, seed=0)
-    trials = {"auto": TRIAL_STEPS,  # steps before the choice (bucket sizes: at most 3 more trials)
-              "auto_bucket": TRIAL_STEPS + (len(BUCKET_SIZES) - 1) * (WARMUP + 1 + STEPS)}
+    trials = {"auto": TRIAL_STEPS,  # steps before the choice (then at most every bucket size, 25 MB included)
+              "auto_bucket": TRIAL_STEPS + trial_steps(len(BUCKET_SIZES))}
     longest = options["warmup"] + trials["auto_bucket"]  # auto's trials at most, then the usual warm-up
     order = [idx for e in range(100) for idx, _ in batches.epoch(e)][: longest + options["steps"]]
 

@@ -5,16 +5,16 @@ Which scheduler is fastest depends on the model, the link and the cores: on loop
 gloo's reductions share the cores with backward, overlapping buys nothing and fifo wins; on a
 link as slow as a step's compute, priority hides the transfer behind the next forward; on a
 slower one still, wait_free. The overlap model (perfmodel/overlap.py) leaves out the cores
-that communication and computation share, so the engine measures instead: `WARMUP` untimed and
-`STEPS` timed steps each of wait_free, fifo and priority (priority rebuilds the buckets as its
-partitions), the median step of each taken as the slowest rank's (one small all-reduce), and
-the fastest kept for the rest of the run. With comm.bucket_mb=auto, the bucket size is tried
-next the same way, under the scheduler kept (unless it is priority, which cuts partitions of
-comm.partition_mb instead): the sizes of `BUCKET_SIZES` that group this model's gradients
-differently from the size of the first round, 25 MB. Every rank switches at the same step. The
-steps are the caller's own training steps, exact synchronous SGD under any candidate: only their
-speed differs. The choice and the gain it measured are printed once, on rank 0, and kept in
-`chosen`.
+that communication and computation share, so the engine measures instead: blocks of `WARMUP`
+untimed and `STEPS` timed steps of wait_free, fifo and priority in turn, `ROUNDS` blocks each
+(priority rebuilds the buckets as its partitions), the median step of each taken as the slowest
+rank's (one small all-reduce), and the fastest kept for the rest of the run. With
+comm.bucket_mb=auto, the bucket size is tried next the same way, under the scheduler kept
+(unless it is priority, which cuts partitions of comm.partition_mb instead): the first phase's
+25 MB against the sizes of `BUCKET_SIZES` that group this model's gradients differently. Every
+rank switches at the same step. The steps are the caller's own training steps, exact synchronous
+SGD under any candidate: only their speed differs. The choice and the gain it measured are
+printed once, on rank 0, and kept in `chosen`.
 """
 
 from __future__ import annotations
@@ -32,22 +32,39 @@ from paraloom.data_parallel.configure import MB, configure
 
 CANDIDATES = ("wait_free", "fifo", "priority")  # the engine starts with the first
 BUCKET_SIZES, START_BUCKET_MB = BUCKET_SIZES_MB, AUTO_START_BUCKET_MB
-WARMUP, STEPS = 2, 5  # per candidate: steps after a switch left untimed (and one more), then timed
-TRIAL_STEPS = len(CANDIDATES) * (WARMUP + 1 + STEPS)  # steps before the scheduler's choice
+# a block: steps after a switch left untimed (and one more), then timed; every candidate gets
+# ROUNDS blocks, taking turns, so that no candidate alone is timed on the run's first, coldest
+# steps or on a stretch where the machine is busier (one block of 5 timed steps each, in a row,
+# ran 4.5% over the best fixed scheduler on loopback in one run of benchmarks/dp_schedulers.py)
+WARMUP, STEPS, ROUNDS = 1, 3, 2
+BLOCK = WARMUP + 1 + STEPS
+
+
+def trial_steps(candidates: int) -> int:
+    """Steps a phase of trials takes for this many candidates."""
+    return (ROUNDS if candidates > 1 else 1) * candidates * BLOCK
+
+
+TRIAL_STEPS = trial_steps(len(CANDIDATES))  # steps before the scheduler's choice
 
 
 class AutoScheduler:
     """Times the engine's steps under each candidate (scheduler, bucket MB), then settles on the
     fastest: first among `schedulers` at the engine's bucket size, then, with `buckets`, among the
-    bucket sizes under the scheduler kept."""
+    bucket sizes under the scheduler kept. Candidates take turns (`ROUNDS` blocks each), so a
+    machine that slows down or warms up over the trials weighs on all of them alike."""
 
     def __init__(self, engine, *, schedulers: tuple[str, ...] = CANDIDATES, buckets: bool = False) -> None:
         self.engine, self.buckets = engine, buckets
-        self.trials = [(name, engine._options["bucket_mb"]) for name in schedulers]
-        self.index, self.count, self.last = 0, 0, None
-        self.times: dict[tuple[str, float], list[float]] = {trial: [] for trial in self.trials}
-        self.scheduler: str | None = None  # kept after the first round
+        self._begin([(name, engine._options["bucket_mb"]) for name in schedulers])
+        self.scheduler: str | None = None  # kept after the first phase
         self.chosen: dict | None = None  # {"scheduler", "seconds": {scheduler: median step}, ...}
+
+    def _begin(self, trials: list[tuple[str, float]]) -> None:
+        """A phase: every trial's block in turn, `ROUNDS` times over (one block if there is one)."""
+        self.trials, self.order = trials, trials * (ROUNDS if len(trials) > 1 else 1)
+        self.times: dict[tuple[str, float], list[float]] = {trial: [] for trial in trials}
+        self.index, self.count, self.last = 0, 0, None
 
     def start(self) -> str:
         """The scheduler the engine starts with (the first trial's)."""
@@ -59,14 +76,14 @@ class AutoScheduler:
             return
         now = time.perf_counter()
         if self.last is not None and self.count > WARMUP:
-            self.times[self.trials[self.index]].append(now - self.last)
+            self.times[self.order[self.index]].append(now - self.last)
         self.count += 1
         self.last = now
-        if self.count < WARMUP + STEPS + 1:
+        if self.count < BLOCK:
             return
         self.index, self.count, self.last = self.index + 1, 0, None
-        if self.index < len(self.trials):
-            self._switch(*self.trials[self.index])
+        if self.index < len(self.order):
+            self._switch(*self.order[self.index])
         elif self.scheduler is None:
             self._settle_scheduler()
         else:
@@ -85,17 +102,14 @@ class AutoScheduler:
         self.scheduler, self.seconds = best, seconds
         size = self.engine._options["bucket_mb"]
         sizes = self._distinct_sizes(size) if self.buckets and best != "priority" else []
-        more = [(best, mb) for mb in sizes]
-        if more:  # the bucket sizes next, under the scheduler kept
-            self.trials += more
-            self.times.update({trial: [] for trial in more})
-            self._switch(*more[0])
+        if sizes:  # the bucket sizes next, under the scheduler kept, the first phase's size among them
+            self._begin([(best, mb) for mb in (size, *sizes)])
+            self._switch(*self.order[0])
             return
         self._settle(best, size if best != "priority" else None, {})
 
     def _settle_bucket(self) -> None:
-        trials = [t for t in self.trials if t[0] == self.scheduler]  # the first round's size among them
-        medians = dict(zip((mb for _, mb in trials), self._slowest_medians(trials), strict=True))
+        medians = dict(zip((mb for _, mb in self.trials), self._slowest_medians(self.trials), strict=True))
         best = min(medians, key=medians.get)
         self._settle(self.scheduler, best, medians)
 
@@ -116,7 +130,7 @@ class AutoScheduler:
             others = ", ".join(f"{n} {seconds[n] * 1e3:.1f}" for n in seconds if n != best)
             gain = seconds.get("wait_free", seconds[best]) / seconds[best] - 1
             text = (f"comm.scheduler=auto chose {best}: {seconds[best] * 1e3:.1f} ms a step ({others} ms; "
-                    f"{STEPS} steps each), {gain:.1%} faster than wait_free")
+                    f"{ROUNDS * STEPS} steps each), {gain:.1%} faster than wait_free")
         else:
             text = f"comm.scheduler={best}"
         if self.buckets:
