@@ -163,3 +163,27 @@ def test_recut_joins_elementwise_state_and_takes_the_rest_from_the_first_element
     assert torch.equal(fresh.param.detach(), whole[1:4])
     with pytest.raises(UserError, match="hold 5 parameters; this model has 6"):
         recut(saved, [(0, 6)], n_params=6, workers=[0], clock=3)
+
+
+def _train_or_refuse(rank, world, settings, run_dir):
+    try:
+        train(load_config(None, settings), run_dir if rank == 0 else None, device=torch.device("cpu"))
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_checkpoint_of_another_kind_of_parallelism_is_refused_in_one_line(tmp_path):
+    ps_dir = tmp_path / "ps"
+    ps_dir.mkdir()
+    run_workers(_train_or_refuse, 3, [*BASE, "optim.max_steps=5"], ps_dir, timeout=120)  # 2 workers, 1 server
+    data_parallel = [s for s in BASE if not s.startswith(("parallel.mode", "ps."))]
+    for message in run_workers(_train_or_refuse, 2, data_parallel, ps_dir, timeout=120):
+        assert message is not None and "\n" not in message
+        assert "was saved by a parameter server run, and this run is data parallel" in message
+    dp_dir = tmp_path / "dp"
+    dp_dir.mkdir()
+    run_workers(_train_or_refuse, 2, [*data_parallel, "optim.max_steps=5"], dp_dir, timeout=120)
+    for message in run_workers(_train_or_refuse, 3, BASE, dp_dir, timeout=120):
+        assert message is not None and "was saved by a data parallel run, and this run is parameter " \
+            "server" in message

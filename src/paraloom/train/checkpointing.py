@@ -52,6 +52,7 @@ class Checkpoints:
         found = agree_on_checkpoint(self.run_dir, group=group, grid=self.strategy.grid_record())
         if found is not None:
             resumed, saved_world, same_grid = found
+            self.refuse_another_strategy(resumed)
             world = dist.get_world_size(group)
             resized = saved_world != world or not same_grid
             refusal = self.strategy.resize_refusal() if resized else None
@@ -71,6 +72,15 @@ class Checkpoints:
         if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():
             record_resume(self.run_dir, self.step)  # an earlier attempt trained here
         return None if found is None else found[0]
+
+    def refuse_another_strategy(self, step: int) -> None:
+        """One line, not a missing key deep in the load, when another kind of parallelism saved `step`."""
+        saved_by, name = manifest_of(step_dir(self.run_dir, step)).get("strategy"), self.strategy.name
+        if saved_by is not None and saved_by != name:  # checkpoints from before 2026-11-26 do not say
+            raise UserError(f"the checkpoint of step {step} in {self.run_dir} was saved by a "
+                            f"{saved_by.replace('_', ' ')} run, and this run is {name.replace('_', ' ')}: "
+                            "resume it with the parallel settings it was saved with, or set another "
+                            "run.out_dir to start afresh")
 
     def load_resumed(self, step: int, saved_world: int, resized: bool) -> None:
         """Read the checkpoint of `step` into the strategy, the step, the counters and the RNG states."""
@@ -129,7 +139,8 @@ class Checkpoints:
             self.run_dir, step, local=local, shared=shared if self.is_main else None,
             keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
             async_group=self.async_group, seal_behind=True,
-            meta={"saved_at": time.time(), "grid": self.strategy.grid_record(),
+            meta={"saved_at": time.time(), "strategy": self.strategy.name,
+                  "grid": self.strategy.grid_record(),
                   # the data position and the batch it was taken at (train/resize_policy.py)
                   "samples": self.counters["samples"], "global_batch": self.cfg.data.batch_size,
                   "dp_size": self.strategy.dp_world_size})

@@ -39,6 +39,7 @@ class Strategy(ABC):
     """One kind of parallelism; a subclass sets the attributes and implements the abstract methods
     (a subclass that leaves one out cannot be built)."""
 
+    name: str  # its key in the registry (train/strategy.py), kept in each checkpoint's manifest
     model: nn.Module  # this rank's part of the model, unwrapped: what traces and faults hook
     group: dist.ProcessGroup | None = None  # the ranks that run the loop: metrics, evaluation
     checkpoint_group: dist.ProcessGroup | None = None  # every rank of the run: checkpoints

@@ -25,6 +25,8 @@ from paraloom.train.strategies import EngineStrategy, StepResult
 class DataParallelStrategy(EngineStrategy):
     """Every rank trains the whole model on its shard of the batch; the engine syncs gradients."""
 
+    name = "data_parallel"
+
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:
         self.cfg, self.data, self.device = cfg, data, device

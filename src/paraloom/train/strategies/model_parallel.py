@@ -60,6 +60,8 @@ def _median(values: list[float]) -> float:
 class ModelParallelStrategy(EngineStrategy):
     """Tensor, pipeline and layer parallelism, and their hybrids with data parallelism."""
 
+    name = "model_parallel"
+
     drop_last = True
 
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,

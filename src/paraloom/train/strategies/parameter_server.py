@@ -52,6 +52,8 @@ from paraloom.train.strategies import StepResult, Strategy
 class ParameterServerStrategy(Strategy):
     """Workers push gradients to and pull parameters from sharded servers (BSP, ASP or SSP)."""
 
+    name = "parameter_server"
+
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:
         if device.type != "cpu":  # config refuses run.device=cuda and the worker picks the CPU
