@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import itertools
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ def recut(saved: list[dict[str, Any]], bounds: list[tuple[int, int]], *, n_param
     for each of `workers`. `updates_scale` (new, old): the optimizer's schedule counts `updates` per
     step (ASP, SSP: one per worker), so a new number of workers scales the count it reads."""
     sizes = [piece["param"].numel() for piece in saved]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
     if sum(sizes) != n_params:
         raise UserError(f"the checkpoint's servers hold {sum(sizes)} parameters; this model has {n_params}: "
                         "resume with the model that saved it")

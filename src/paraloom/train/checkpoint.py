@@ -188,15 +188,17 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def latest_valid(run_dir: Path) -> Path | None:
-    """The newest whole checkpoint of `run_dir`, warning about each damaged one passed over."""
+def latest_valid(run_dir: Path, *, quiet: bool = False) -> Path | None:
+    """The newest whole checkpoint of `run_dir`, warning about each damaged one passed over (unless
+    `quiet`: a first look, before the resume that warns)."""
     folder = run_dir / FOLDER
     candidates = sorted((p for p in folder.glob("step-*") if not p.name.endswith(".tmp")),
                         key=_step_of, reverse=True) if folder.is_dir() else []
     for path in candidates:
         problem = verify(path)
         if problem is not None:
-            print(f"paraloom: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
+            if not quiet:
+                print(f"paraloom: warning: skipping checkpoint {path.name}: {problem}", file=sys.stderr)
             continue
         return path
     return None

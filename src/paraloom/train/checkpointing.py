@@ -74,9 +74,10 @@ class Checkpoints:
         return None if found is None else found[0]
 
     def refuse_another_strategy(self, step: int) -> None:
-        """One line, not a missing key deep in the load, when another kind of parallelism saved `step`."""
+        """One line, not a missing key deep in the load, when a kind of parallelism this strategy cannot
+        carry on from saved `step`."""
         saved_by, name = manifest_of(step_dir(self.run_dir, step)).get("strategy"), self.strategy.name
-        if saved_by is not None and saved_by != name:  # checkpoints from before 2026-11-26 do not say
+        if saved_by is not None and saved_by not in self.strategy.resumes_from:  # older ones do not say
             raise UserError(f"the checkpoint of step {step} in {self.run_dir} was saved by a "
                             f"{saved_by.replace('_', ' ')} run, and this run is {name.replace('_', ' ')}: "
                             "resume it with the parallel settings it was saved with, or set another "

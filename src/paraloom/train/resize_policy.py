@@ -77,7 +77,7 @@ def _saved_position(run_dir: Path | None) -> tuple[int, int, int, int] | None:
     0's reading of its manifest; None without one (or one saved before these were recorded)."""
     found = torch.full((4,), -1, dtype=torch.int64)
     if dist.get_rank() == 0 and run_dir is not None:
-        path = latest_valid(run_dir)
+        path = latest_valid(run_dir, quiet=True)  # the resume warns of a damaged one, once
         manifest = manifest_of(path) if path is not None else {}
         if all(key in manifest for key in ("samples", "global_batch", "dp_size")):
             found = torch.tensor([manifest["step"], manifest["samples"], manifest["global_batch"],

@@ -40,6 +40,7 @@ class Strategy(ABC):
     (a subclass that leaves one out cannot be built)."""
 
     name: str  # its key in the registry (train/strategy.py), kept in each checkpoint's manifest
+    resumes_from: tuple[str, ...]  # the strategies whose checkpoints it carries on from (`name`s)
     model: nn.Module  # this rank's part of the model, unwrapped: what traces and faults hook
     group: dist.ProcessGroup | None = None  # the ranks that run the loop: metrics, evaluation
     checkpoint_group: dist.ProcessGroup | None = None  # every rank of the run: checkpoints

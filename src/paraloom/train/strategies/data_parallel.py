@@ -26,6 +26,7 @@ class DataParallelStrategy(EngineStrategy):
     """Every rank trains the whole model on its shard of the batch; the engine syncs gradients."""
 
     name = "data_parallel"
+    resumes_from = ("data_parallel", "model_parallel")  # a tp/pp grid's model, whole again
 
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:

@@ -61,6 +61,7 @@ class ModelParallelStrategy(EngineStrategy):
     """Tensor, pipeline and layer parallelism, and their hybrids with data parallelism."""
 
     name = "model_parallel"
+    resumes_from = ("model_parallel",)  # its ranks' layouts are what a new grid cuts again
 
     drop_last = True
 

@@ -53,6 +53,7 @@ class ParameterServerStrategy(Strategy):
     """Workers push gradients to and pull parameters from sharded servers (BSP, ASP or SSP)."""
 
     name = "parameter_server"
+    resumes_from = ("parameter_server",)
 
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:
