@@ -61,8 +61,9 @@ LOG_EVERY = 10
 REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the MLP's three times
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
-# and one configuration measured alone moved by 15-25% between runs of this benchmark (wait_free
-# 2w: 24.3, 35.6 and 29.6 ms; which of wait_free and fifo was faster flipped from run to run)
+# and one configuration measured once moved by up to 45% between runs of this benchmark (wait_free
+# 2w: 24.3, 35.6 and 29.6 ms; which of wait_free and fifo was faster flipped from run to run); in
+# three passes of one run the same configurations agreed within about 5%
 PASSES = {"100mbit": 1, "1gbit": 1, "10gbit": 3}
 
 
