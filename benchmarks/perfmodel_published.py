@@ -1,6 +1,7 @@
 """Performance model against published measurements of real GPU clusters.
 
     python benchmarks/perfmodel_published.py --json OUT [--cases FILE] [--only ID ...]
+    python benchmarks/perfmodel_published.py --json OUT --fit DEVICE.CLASS [...]
 
 Each case in the case file (`benchmarks/published_cases.yaml`) is one published measurement with
 its citation: the setup as published (hardware, model, batch, parallel layout, precision,
@@ -19,11 +20,17 @@ How a prediction becomes the published figure:
   `step_s`: the predicted step itself;
 - `efficiency`: the predicted throughput over `gpus` times the predicted throughput of the case's
   `baseline` (usually one GPU with the same per-GPU batch); `speedup`: the throughput ratio itself.
+
+`--fit a100.matmul` fits a device preset's efficiency for one op class to the `fit` cases run on
+that device (the value in 0.01 steps with the smallest median absolute error, then mean), and
+reports it with those cases' errors before and after; it never reads a held-out case. What a
+preset carries from such a fit says so beside the value.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +41,7 @@ from common import make_table, write_json
 from rich.console import Console
 
 from paraloom.errors import UserError
-from paraloom.perfmodel.hardware import Hardware
+from paraloom.perfmodel.hardware import OP_CLASSES, Hardware
 from paraloom.perfmodel.profile import profile_model
 from paraloom.perfmodel.strategies import Options, Plan, estimate
 
@@ -65,16 +72,21 @@ def megatron_flops(model: dict[str, int], batch: int, recompute: bool) -> float:
 
 
 def spec_fields(spec: str) -> dict[str, int]:
-    """The numbers of a `gpt:layers=..,hidden=..` spec."""
+    """The numbers of a `gpt:layers=..,hidden=..` spec (named settings such as attention=math left out)."""
     _, _, rest = spec.partition(":")
-    return {k: int(v) for k, v in (item.split("=") for item in rest.split(",") if "=" in item)}
+    pairs = (item.split("=") for item in rest.split(",") if "=" in item)
+    return {k: int(v) for k, v in pairs if v.isdigit()}
+
+
+@functools.cache
+def _profile(model: str, dtype: str, recompute: str):
+    return profile_model(model, dtype=dtype, recompute=recompute)
 
 
 def throughput(case: dict[str, Any], plan_raw: dict[str, Any], batch: int) -> tuple[float, Any]:
     """(samples a second, the estimate) of the case's model and hardware under `plan_raw`."""
     hw = hardware(case["hardware"], case["id"])
-    profile = profile_model(case["model"], dtype=case.get("dtype", "fp32"),
-                            recompute=case.get("recompute", "none"))
+    profile = _profile(case["model"], case.get("dtype", "fp32"), case.get("recompute", "none"))
     est = estimate(profile, hw, plan_of(plan_raw, case["id"]), batch,
                    Options(optimizer=case.get("optimizer", "adam")))
     return batch / est.step_s, est
@@ -148,13 +160,66 @@ def run(cases_file: Path, only: list[str] | None = None) -> dict[str, Any]:
             "pending": pending, "summary": summary}
 
 
+def device_of(case: dict[str, Any]) -> str | None:
+    """The device preset a case's hardware names (itself, or a mapping's `preset:`)."""
+    device = case["hardware"].get("device")
+    return device if isinstance(device, str) else device.get("preset") if isinstance(device, dict) else None
+
+
+def with_efficiency(case: dict[str, Any], op_class: str, value: float) -> dict[str, Any]:
+    """The case with its device's efficiency for `op_class` set to `value` (the rest inherited)."""
+    device = case["hardware"]["device"]
+    device = dict(device) if isinstance(device, dict) else {"preset": device}
+    device["efficiency"] = {**device.get("efficiency", {}), op_class: value}
+    return {**case, "hardware": {**case["hardware"], "device": device}}
+
+
+def _errors(cases: list[dict[str, Any]]) -> list[float]:
+    return [predict(case)["predicted"] / float(case["measured"]["value"]) - 1 for case in cases]
+
+
+def fit_efficiency(cases_file: Path, target: str) -> dict[str, Any]:
+    """`--fit DEVICE.CLASS`: the efficiency of one op class of one device preset that fits its `fit`
+    cases best (median absolute error, then mean, over a 0.01 grid in (0, 1])."""
+    device, _, op_class = target.partition(".")
+    if op_class not in OP_CLASSES:
+        raise UserError(f"--fit {target!r}: write DEVICE.CLASS with a class in {', '.join(OP_CLASSES)}")
+    chosen = [c for c in yaml.safe_load(cases_file.read_text())["cases"]
+              if c["split"] == "fit" and device_of(c) == device]
+    if not chosen:
+        raise UserError(f"--fit {target!r}: no fit case runs on device {device!r}")
+    scored = []
+    for step in range(1, 101):
+        errors = _errors([with_efficiency(c, op_class, step / 100) for c in chosen])
+        magnitudes = [abs(e) for e in errors]
+        scored.append((statistics.median(magnitudes), statistics.fmean(magnitudes), step / 100, errors))
+    median, _, value, errors = min(scored)
+    before = _errors(chosen)
+    return {"device": device, "op_class": op_class, "value": value, "cases": [c["id"] for c in chosen],
+            "errors_before": before, "errors_after": errors,
+            "median_before": statistics.median(abs(e) for e in before), "median_after": median}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
     parser.add_argument("--cases", default=str(CASES))
     parser.add_argument("--only", nargs="*", help="these case ids alone")
+    parser.add_argument("--fit", nargs="*", metavar="DEVICE.CLASS",
+                        help="fit these device efficiencies to the fit cases instead of reporting")
     args = parser.parse_args(argv)
     try:
+        if args.fit:
+            fits = [fit_efficiency(Path(args.cases), target) for target in args.fit]
+            write_json(args.json, {"cases_file": args.cases, "fits": fits})
+            for fit in fits:
+                print(f"{fit['device']}.{fit['op_class']} = {fit['value']:.2f}: median |error| over "
+                      f"{len(fit['cases'])} fit cases {fit['median_before']:.1%} -> "
+                      f"{fit['median_after']:.1%}")
+                changes = zip(fit["cases"], fit["errors_before"], fit["errors_after"], strict=True)
+                for case, old, new in changes:
+                    print(f"  {case}: {old:+.1%} -> {new:+.1%}")
+            return 0
         report = run(Path(args.cases), args.only)
     except UserError as exc:
         print(f"perfmodel_published: error: {exc}", file=sys.stderr)

@@ -160,6 +160,17 @@ def test_a_mapping_inherits_everything_its_preset_has(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_mapping_overrides_a_table_of_its_preset_key_by_key():
+    hw = Hardware.from_yaml("device: {preset: p100, efficiency: {conv: 0.3},\n"
+                            "         peak_flops: {fp16: 20 TFLOP/s}}\ninter: ib-edr")
+    plain = load_hardware("p100-ib-edr").device
+    assert hw.device.efficiency == {**plain.efficiency, "conv": 0.3}
+    assert hw.device.peak_flops == {**plain.peak_flops, "fp16": 20e12}
+    assert hw.device.winograd == plain.winograd
+    with pytest.raises(UserError, match="efficiency.conv=1.5 must lie in"):
+        Hardware.from_yaml("device: {preset: p100, efficiency: {conv: 1.5}}\ninter: ib-edr")
+
+
 def test_a_custom_profile_sharing_one_adapter_among_its_devices_says_so(capsys):
     Hardware.from_yaml("name: lab\ndevice: h100\ninter: 100gbe")
     err = capsys.readouterr().err

@@ -49,3 +49,21 @@ def test_a_bad_case_is_refused_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "perfmodel_published.py"), "--json",
                            str(tmp_path / "o.json"), "--cases", str(path)], capture_output=True, text=True)
     assert done.returncode == 2 and "plan fields ['warp'] are not known" in done.stderr
+
+
+def test_fit_recovers_the_efficiency_a_case_was_measured_at(tmp_path):
+    """A fit case measured at exactly what the model predicts with conv at 0.3 fits back to 0.3."""
+    data = yaml.safe_load(CASES.read_text())
+    case = next(c for c in data["cases"] if c["id"] == "tf-aws-resnet50-1gpu")
+    at = dict(case, hardware={**case["hardware"], "device": {"preset": "k80", "efficiency": {"conv": 0.3}}})
+    path, out = tmp_path / "cases.yaml", tmp_path / "o.json"
+    path.write_text(yaml.safe_dump({**data, "cases": [at]}))
+    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), timeout=120)
+    predicted = json.loads(out.read_text())["rows"][0]["predicted"]
+    measured = dict(case, measured={**case["measured"], "value": predicted})
+    path.write_text(yaml.safe_dump({**data, "cases": [measured]}))
+    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), "--fit", "k80.conv",
+               timeout=120)
+    (fit,) = json.loads(out.read_text())["fits"]
+    assert (fit["device"], fit["op_class"], fit["value"]) == ("k80", "conv", 0.3)
+    assert fit["median_after"] < 1e-9 < fit["median_before"] and fit["cases"] == ["tf-aws-resnet50-1gpu"]

@@ -223,13 +223,17 @@ def link_preset(name: str) -> Link:
 
 def _from_preset(raw: Any, where: str, cls: type, fields: tuple[str, ...], preset, names: list[str],
                  default_name: str):
-    """A preset's name, or a mapping of `fields` with an optional `preset:` whose values it overrides."""
+    """A preset's name, or a mapping of `fields` with an optional `preset:` whose values it overrides
+    (a table such as `efficiency: {matmul: 0.7}` only the keys it names)."""
     if isinstance(raw, str):
         return preset(raw)
     raw = dict(_fields(raw, ("preset", *fields), where))
     base = preset(raw.pop("preset")) if "preset" in raw else None
     values = {k: getattr(base, k) for k in fields} if base else {"name": default_name}
-    values.update(raw)
+    for key, value in raw.items():  # a table (efficiency, peak_flops, winograd) overrides key by key
+        inherited = values.get(key)
+        merge = isinstance(inherited, dict) and isinstance(value, dict)
+        values[key] = {**inherited, **value} if merge else value
     for key, default in OPTIONAL_FIELDS.items():
         if key in fields:
             values.setdefault(key, default())
