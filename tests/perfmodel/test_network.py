@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
 from paraloom.errors import UserError
 from paraloom.perfmodel.network import (
     allgather_time,
@@ -43,6 +43,11 @@ HAND = {
     ("tree", 5): (5, 7),  # reduce 3 levels; root -> {4, 2, 1} (3 copies), then 2 -> 3
     ("tree", 8): (6, 9),  # reduce 3; broadcast 0 -> {4,2,1}, 4 -> {6,5}, 6 -> 7: 3 + 2 + 1 copies
     ("one_to_all", 4): (4, 6),  # 3 receives in turn, then 3 sends at once: 2(n-1) copies, n latencies
+    # other systems' trees, priced only: Paleo's reduce + broadcast, 2 log2 n steps of S; NCCL's double
+    # binary tree, the same depth and 2 S each way (half the vector per tree, pipelined)
+    ("reduction_tree", 2): (2, 2), ("reduction_tree", 8): (6, 6), ("reduction_tree", 5): (6, 6),
+    ("reduction_tree", 128): (14, 14),
+    ("double_binary_tree", 8): (6, 2), ("double_binary_tree", 128): (14, 2),
 }
 
 
@@ -58,7 +63,7 @@ def test_allreduce_against_hand_counts(algorithm, n):
     assert allreduce_time(S, n, GBIT, algorithm) == pytest.approx(c_lat * 1e-4 + c_bw * S / 1.25e8)
 
 
-@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", ALL_REDUCE_ALGORITHMS + MODELLED_ALGORITHMS)
 def test_one_rank_costs_nothing(algorithm):
     assert allreduce_time(S, 1, GBIT, algorithm) == 0
     assert hierarchical_allreduce_time(S, 1, 1, NVLINK, GBIT, algorithm) == 0
@@ -214,3 +219,15 @@ def test_sustained_fit_ignores_the_burst_that_speeds_up_short_transfers():
         fit_sustained_bandwidth(SIZES[:3], times[:3], 4, 1.5e-3)
     with pytest.raises(UserError, match="no longer than the latency"):
         fit_sustained_bandwidth([2**20], [1e-3], 4, 1e-3)
+
+
+def test_at_128_ranks_the_named_trees_cost_what_their_sources_say():
+    """paraloom's binomial tree (root sends to all its children at once) moves about 35 S/B at 128
+    ranks; a reduction tree 2 log2 n = 14; NCCL's pipelined double binary tree about the ring's 2."""
+    big = Link("ib", 25e9, 0.0)
+    ring, tree, reduction, double = (allreduce_time(S, 128, big, a) * big.bandwidth / S
+                                     for a in ("ring", "tree", "reduction_tree", "double_binary_tree"))
+    assert tree == pytest.approx(35) and reduction == pytest.approx(14) and double == pytest.approx(2)
+    assert ring < double < reduction < tree
+    with pytest.raises(UserError, match="double_binary_tree"):  # the message lists the names
+        allreduce_coefficients(4, "butterfly")

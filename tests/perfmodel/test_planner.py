@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from paraloom.choices import MODELLED_ALGORITHMS
 from paraloom.cli import main
 from paraloom.config import load_config
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import load_hardware
-from paraloom.perfmodel.planner import grids, parse_nodes, parse_plan, rank, tp_sizes
+from paraloom.perfmodel.planner import grids, parse_nodes, parse_plan, rank, tp_sizes, variants
 from paraloom.perfmodel.profile import profile_model
+from paraloom.perfmodel.strategies import Plan, estimate
 
 GPT = "gpt:layers=4,hidden=64,heads=4,seq=32"
 GPT_175B = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"
@@ -153,3 +155,23 @@ def test_the_planner_offers_interleaved_pipelines_and_emits_them(tmp_path):
                  "--nodes", "1", "--global-batch", "64", "--emit", str(out),
                  "--plan", "pp=2,microbatches=4,schedule=interleaved_1f1b,virtual_stages=2"]) == 0
     assert "virtual_stages: 2" in out.read_text() and "interleaved_1f1b" in out.read_text()
+
+
+def test_another_systems_tree_is_priced_for_a_plan_but_never_offered_or_emitted(tmp_path, capsys):
+    hw = load_hardware("a100-hdr")
+    assert all(p.algorithm not in MODELLED_ALGORITHMS for p in variants(Plan(dp=16), exact_only=False))
+
+    def comm(model: str, algorithm: str) -> float:
+        est = estimate(profile_model(model), hw, Plan(dp=16, algorithm=algorithm), 512)
+        return est.breakdown["dp_comm_total"]
+
+    # a small model's all-reduce is latency: 2 log2 16 = 8 hops against the ring's 30
+    assert 0 < comm("mlp", "double_binary_tree") < comm("mlp", "ring")
+    # a large one's is bandwidth: 2 S/B against the ring's 2 (n-1)/n S/B
+    big = "gpt:layers=4,hidden=2048,heads=16,seq=128"
+    assert comm(big, "ring") < comm(big, "double_binary_tree") < comm(big, "reduction_tree")
+    with pytest.raises(UserError, match="plan algorithm"):
+        Plan(dp=2, algorithm="butterfly")
+    assert main(["plan", "--model", "mlp", "--cluster", "a100-hdr", "--nodes", "2", "--global-batch", "512",
+                 "--plan", "dp=16,algorithm=double_binary_tree", "--emit", str(tmp_path / "x.yaml")]) == 2
+    assert "prices but paraloom does not run" in capsys.readouterr().err

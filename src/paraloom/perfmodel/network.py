@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
 from paraloom.errors import UserError
 
 # The alpha-beta (Hockney) model: one message of S bytes over a link costs alpha + S / B, alpha the
@@ -76,11 +76,13 @@ def _binomial_broadcast(n: int, gloo: bool) -> tuple[int, int]:
 
 def allreduce_coefficients(n: int, algorithm: str = "ring") -> tuple[float, float]:
     """(c_lat, c_bw): the all-reduce of S bytes over n ranks takes c_lat * alpha + c_bw * S / B."""
-    if algorithm not in ALL_REDUCE_ALGORITHMS:
-        raise UserError(f"all-reduce algorithm={algorithm!r} is not known; choose one of: "
-                        f"{', '.join(ALL_REDUCE_ALGORITHMS)}")
+    known = (*ALL_REDUCE_ALGORITHMS, *MODELLED_ALGORITHMS)
+    if algorithm not in known:
+        raise UserError(f"all-reduce algorithm={algorithm!r} is not known; choose one of: {', '.join(known)}")
     if n == 1:
         return 0.0, 0.0
+    if algorithm in MODELLED_ALGORITHMS:
+        return _modelled_tree(n, algorithm)
     if algorithm in ("ring", "native"):
         # Ring: reduce-scatter + all-gather, 2(n-1) steps of S/n each; bandwidth-optimal
         # (Patarasuk & Yuan 2009). "native" is gloo's allreduce, whose default algorithm is a ring
@@ -104,6 +106,28 @@ def allreduce_coefficients(n: int, algorithm: str = "ring") -> tuple[float, floa
     # posts n-1 sends at once, its uplink carrying (n-1) S (alpha + (n-1) S/B): 2(n-1) copies of S
     # cross rank 0's link, as for a single parameter server.
     return float(n), 2.0 * (n - 1)
+
+
+def _modelled_tree(n: int, algorithm: str) -> tuple[float, float]:
+    """(c_lat, c_bw) of the trees other systems run, which paraloom prices but does not run.
+
+    - reduction_tree: reduce the whole vector up a binary tree, then broadcast it down, level by
+      level: 2 ceil(log2 n) steps of alpha + S/B. This is the tree all-reduce of Paleo (Qi, Sparks &
+      Talwalkar, "Paleo: A Performance Model for Deep Neural Networks", ICLR 2017, section 3.3),
+      the textbook reduce + broadcast without pipelining.
+    - double_binary_tree: NCCL's trees (from NCCL 2.4; S. Jeaugey, "Massively Scale Your Deep
+      Learning Training with NCCL 2.4", NVIDIA technical blog, 2019), after Sanders, Speck & Traff,
+      "Two-tree algorithms for full bandwidth broadcast, reduction and scan", Parallel Computing
+      35(12), 2009. Two complementary binary trees each carry half the vector, cut in chunks that are
+      reduced up and broadcast down at once (pipelined). A rank is inside one tree and a leaf of the
+      other, so it receives S (two children's halves) + S/2 (its parent's half back) in the first and
+      S/2 in the second: 2 S/B each way, the ring's full bandwidth for large n, with a latency of
+      2 ceil(log2 n) hops, the depth up and down (the pipeline's fill of one chunk per hop is left out).
+    """
+    depth = float((n - 1).bit_length())  # ceil(log2 n)
+    if algorithm == "reduction_tree":
+        return 2.0 * depth, 2.0 * depth
+    return 2.0 * depth, 2.0
 
 
 def allreduce_time(nbytes: float, n: int, link: LinkLike, algorithm: str = "ring") -> float:

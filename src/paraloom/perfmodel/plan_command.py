@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from paraloom.choices import MODELLED_ALGORITHMS
 from paraloom.errors import UserError
 from paraloom.models import MODELS
 from paraloom.perfmodel.hardware import Hardware, load_hardware
@@ -132,6 +133,10 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
     """A config `paraloom train` runs as it is: the model (zoo arguments, or a user's factory and
     options with the data set `data` names), the precision it was predicted at, the plan's choices."""
     p = e.plan
+    if p.algorithm in MODELLED_ALGORITHMS:
+        raise UserError(f"--emit: algorithm={p.algorithm} is another system's all-reduce, which the model "
+                        "prices but paraloom does not run; emit a plan with native, ring, halving_doubling, "
+                        "tree or one_to_all")
     notes: list[str] = []
     if model.strip().partition(":")[0] in MODELS:
         model_cfg, data_cfg = _zoo_sections(model, global_batch, notes)

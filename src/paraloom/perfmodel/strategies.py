@@ -12,7 +12,13 @@ import functools
 import operator
 from dataclasses import asdict, dataclass, field
 
-from paraloom.choices import CONSISTENCY, PIPELINE_SCHEDULES, SCHEDULERS
+from paraloom.choices import (
+    ALL_REDUCE_ALGORITHMS,
+    CONSISTENCY,
+    MODELLED_ALGORITHMS,
+    PIPELINE_SCHEDULES,
+    SCHEDULERS,
+)
 from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
 from paraloom.errors import UserError
 from paraloom.perfmodel import overlap
@@ -52,7 +58,7 @@ class Plan:
     scheduler: str = "wait_free"  # data-parallel communication scheduler
     sync: str = "sync"  # or one_step_delay
     compressor: str = "none"
-    algorithm: str = "ring"  # all-reduce algorithm
+    algorithm: str = "ring"  # all-reduce algorithm: paraloom's, or another system's tree (priced, not run)
     servers: int = 0  # > 0: a parameter server with this many shards instead of all-reduce
     consistency: str = "bsp"  # parameter server: bsp, asp or ssp
 
@@ -63,7 +69,8 @@ class Plan:
         check_interleaving(schedule=self.schedule, virtual_stages=self.virtual_stages, pp=self.pp,
                            microbatches=self.microbatches)
         for key, names in (("schedule", PIPELINE_SCHEDULES), ("scheduler", SCHEDULERS),
-                           ("sync", PRICED_SYNC_MODES), ("consistency", CONSISTENCY)):
+                           ("sync", PRICED_SYNC_MODES), ("consistency", CONSISTENCY),
+                           ("algorithm", (*ALL_REDUCE_ALGORITHMS, *MODELLED_ALGORITHMS))):
             check_name(f"plan {key}", getattr(self, key), names)
         if self.servers:
             check_parallel_layout(mode="ps", tp=self.tp, pp=self.pp, microbatches=self.microbatches)
