@@ -29,7 +29,10 @@ ALL_REDUCE_ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "one_to_a
 SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an all-gather
 # all-reduce algorithms of other systems that the performance model prices (a plan on a cluster that
 # runs them: `paraloom plan --plan dp=64,algorithm=double_binary_tree`) but paraloom does not run
-MODELLED_ALGORITHMS = ("reduction_tree", "double_binary_tree")
+# (hierarchical_<alg>: reduce-scatter inside each node, <alg> across nodes, all-gather inside: NCCL's
+# and Horovod's hierarchical all-reduce, Goyal et al. 2017's three phases)
+MODELLED_ALGORITHMS = ("reduction_tree", "double_binary_tree", "hierarchical_ring",
+                       "hierarchical_halving_doubling", "hierarchical_double_binary_tree")
 SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order
 COMM_SCHEDULERS = (*SCHEDULERS, "auto")  # auto: each tried for a few steps (data_parallel/auto.py)
 RESIZE_POLICIES = ("global_batch", "per_rank_batch")  # run.resize_policy: what a resized run keeps

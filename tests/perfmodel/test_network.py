@@ -14,6 +14,7 @@ from paraloom.perfmodel.network import (
     broadcast_time,
     fit_alpha_beta,
     fit_sustained_bandwidth,
+    group_allreduce_time,
     group_link,
     hierarchical_allreduce_time,
     p2p_time,
@@ -144,6 +145,14 @@ def test_hierarchical_allreduce():
     # more ranks per node never makes the flat ring over nodes cheaper
     times = [hierarchical_allreduce_time(S, 4, k, NVLINK, GBIT) for k in (1, 2, 4, 8)]
     assert times == sorted(times)
+    # with an adapter for each of the node's ranks, halving-doubling's flows each have their own;
+    # one ring is one flow and uses one adapter however many there are
+    assert hierarchical_allreduce_time(S, 2, 4, NVLINK, GBIT, "halving_doubling", nics=4) == pytest.approx(
+        6 * 1e-4 + 1.75 * S / 1.25e8)
+    assert hierarchical_allreduce_time(S, 2, 4, NVLINK, GBIT, "ring", nics=4) == ring
+    # two data-parallel groups on a node with one adapter: half of it each
+    assert hierarchical_allreduce_time(S, 2, 4, NVLINK, GBIT, "ring", nics=0.5) == pytest.approx(
+        14 * 1e-4 + 1.75 * S / (1.25e8 / 2))
 
 
 def test_parameter_server_step():
@@ -231,3 +240,22 @@ def test_at_128_ranks_the_named_trees_cost_what_their_sources_say():
     assert ring < double < reduction < tree
     with pytest.raises(UserError, match="double_binary_tree"):  # the message lists the names
         allreduce_coefficients(4, "butterfly")
+
+
+def test_a_hierarchical_all_reduce_sums_inside_each_node_first():
+    """Goyal et al.'s three phases: 2 nodes x 4 ranks, one adapter: a ring inside each node, then the
+    node's 4 ranks each all-reduce a quarter across the 2 nodes at once (S through the one adapter),
+    where flat halving-doubling sends 4 flows of the whole vector through it."""
+    inside = allreduce_time(S, 4, NVLINK, "ring")
+    across = allreduce_time(S / 4, 2, Link("a quarter", 1.25e8 / 4, 1e-4), "halving_doubling")
+    hier = group_allreduce_time(S, 2, 4, NVLINK, GBIT, "hierarchical_halving_doubling")
+    assert hier == pytest.approx(inside + across)
+    flat = group_allreduce_time(S, 2, 4, NVLINK, GBIT, "halving_doubling")
+    assert flat == hierarchical_allreduce_time(S, 2, 4, NVLINK, GBIT, "halving_doubling")
+    assert hier < flat / 3
+    # an adapter for each rank: the four quarters cross at once, each at a whole adapter's rate
+    assert group_allreduce_time(S, 2, 4, NVLINK, GBIT, "hierarchical_ring", nics=4) == pytest.approx(
+        inside + allreduce_time(S / 4, 2, GBIT, "ring"))
+    # one rank a node, or one node: nothing to sum inside first
+    assert group_allreduce_time(S, 4, 1, NVLINK, GBIT, "hierarchical_ring") == allreduce_time(S, 4, GBIT)
+    assert group_allreduce_time(S, 1, 8, NVLINK, GBIT, "hierarchical_ring") == allreduce_time(S, 8, NVLINK)

@@ -3,10 +3,10 @@
 import pytest
 
 from paraloom.errors import UserError
-from paraloom.perfmodel.hardware import Device, Hardware, Link
+from paraloom.perfmodel.hardware import Device, Hardware, Link, load_hardware
 from paraloom.perfmodel.memory import activation_share, in_flight
 from paraloom.perfmodel.network import allreduce_time
-from paraloom.perfmodel.profile import LayerProfile, ModelProfile
+from paraloom.perfmodel.profile import LayerProfile, ModelProfile, profile_model
 from paraloom.perfmodel.strategies import Options, Plan, estimate, split_stages
 
 GFLOP = 1e9
@@ -284,3 +284,23 @@ def test_a_device_mapping_may_give_winograd_factors_and_refuses_ones_below_one()
               "other: 1}, mem_bandwidth: 1e11, mem_capacity: 1e9}\ndevices_per_node: 1\nintra: pcie4\n"
               "inter: 100gbe\n")
     assert Hardware.from_yaml(custom).device.winograd == {}
+
+
+def test_data_parallel_groups_share_a_nodes_adapters_as_their_algorithm_sends():
+    """16 data-parallel ranks on two 8-GPU nodes: halving-doubling sends 8 flows through a node's one
+    adapter at once (an eighth each), a ring one flow; 8 adapters give each flow its own."""
+    profile = profile_model("gpt:layers=4,hidden=1024,heads=16,seq=128")
+
+    def comm(preset: str, algorithm: str) -> float:
+        est = estimate(profile, load_hardware(preset), Plan(dp=16, algorithm=algorithm), 256)
+        return est.breakdown["dp_comm_total"]
+
+    one_nic, eight = "h100-100gbe", "h100-ib-ndr"  # 100 GbE: one adapter a node; NDR: one per GPU
+    assert comm(one_nic, "halving_doubling") > 4 * comm(one_nic, "ring")
+    assert comm(eight, "halving_doubling") < 1.5 * comm(eight, "ring")
+    # summed inside each node first (Goyal et al. 2017): one vector's worth through the adapter
+    assert comm(one_nic, "hierarchical_halving_doubling") < comm(one_nic, "halving_doubling") / 4
+    # tp = 2 puts two data-parallel groups on each node: they share its one adapter
+    tp = [estimate(profile, load_hardware(one_nic), Plan(dp=d, tp=t), 256).breakdown["dp_comm_total"]
+          for d, t in ((16, 1), (16, 2))]
+    assert tp[1] > 0.9 * tp[0]  # half the bytes (tp halves the gradient) at half the bandwidth

@@ -81,6 +81,8 @@ def allreduce_coefficients(n: int, algorithm: str = "ring") -> tuple[float, floa
         raise UserError(f"all-reduce algorithm={algorithm!r} is not known; choose one of: {', '.join(known)}")
     if n == 1:
         return 0.0, 0.0
+    if algorithm.startswith("hierarchical_"):  # on one node, or one rank a node: the algorithm itself
+        algorithm = algorithm.removeprefix("hierarchical_")
     if algorithm in MODELLED_ALGORITHMS:
         return _modelled_tree(n, algorithm)
     if algorithm in ("ring", "native"):
@@ -189,30 +191,63 @@ def group_link(n_ranks: int, per_node: int, intra: LinkLike, inter: LinkLike, st
     return intra if (n_ranks - 1) * stride + 1 <= per_node else inter
 
 
-def hierarchical_allreduce_time(nbytes: float, n_nodes: int, per_node: int, intra: LinkLike,
-                                inter: LinkLike, algorithm: str = "ring") -> float:
-    """Seconds for one flat all-reduce over n_nodes * per_node ranks, numbered node by node.
+def hierarchical_wire(per_node: int, intra: LinkLike, inter: LinkLike, algorithm: str = "ring",
+                      nics: float = 1.0) -> _Wire:
+    """The one link a flat all-reduce across nodes runs at, its ranks numbered node by node with
+    `per_node` of them on each node and `nics` of the node's network adapters theirs.
 
-    Within one node this is the flat formula on `intra`. Across nodes every step waits for its
-    slowest edge, so the flat formula runs at the slower bandwidth and the larger latency of the
-    two links, with the inter-node bandwidth divided by the number of a node's ranks that cross
-    its one NIC at the same time:
-    - ring, native, tree, one_to_all: 1. A ring over consecutive ranks leaves each node by one edge
-      (node i's last rank -> node i+1's first), so its NIC carries one rank's 2(n-1)/n S; the
-      binomial tree's cross-node levels start from multiples of per_node, one rank per node.
+    Every step waits for its slowest edge, so the flat formula runs at the slower bandwidth and the
+    larger latency of the two links (`intra` matters only where a node holds several of the ranks),
+    with the adapters' bandwidth divided among the group's ranks that cross them at the same time:
+    - ring, native, tree, one_to_all and the modelled trees: 1. A ring over consecutive ranks leaves
+      each node by one edge (node i's last rank -> node i+1's first), so one adapter carries one
+      rank's 2(n-1)/n S; the binomial tree's cross-node levels start from multiples of per_node, one
+      rank per node; a single ring or tree is one flow and uses one adapter however many there are.
     - halving_doubling: per_node. Its long-distance steps pair every rank of a node with a rank on
-      another node at once (an upper bound: its short steps stay inside the node).
-    One all-reduce at a time: groups that run concurrently through the same NIC (the tp dp-groups
-    of a node) share it, which the caller accounts for by dividing inter.bandwidth.
+      another node at once (an upper bound: its short steps stay inside the node); those flows
+      spread over the group's adapters.
+    Groups that run at once through the same adapters (a node's tp x pp data-parallel groups) each
+    get their share: the caller passes `nics` as the node's adapters over the groups it holds.
     """
+    flows = per_node if algorithm == "halving_doubling" else 1
+    bandwidth = inter.bandwidth * min(1.0, nics / flows)
+    if per_node > 1:
+        return _Wire(min(intra.bandwidth, bandwidth), max(intra.latency, inter.latency))
+    return _Wire(bandwidth, inter.latency)
+
+
+def hierarchical_allreduce_time(nbytes: float, n_nodes: int, per_node: int, intra: LinkLike,
+                                inter: LinkLike, algorithm: str = "ring", nics: float = 1.0) -> float:
+    """Seconds for one flat all-reduce over n_nodes * per_node ranks, numbered node by node: the flat
+    formula on `intra` within one node, else at `hierarchical_wire`'s link."""
     _check_group(nbytes, n_nodes)
     _check_group(nbytes, per_node)
     n = n_nodes * per_node
     if n_nodes == 1:
         return allreduce_time(nbytes, n, intra, algorithm)
-    share = per_node if algorithm == "halving_doubling" else 1
-    wire = _Wire(min(intra.bandwidth, inter.bandwidth / share), max(intra.latency, inter.latency))
-    return allreduce_time(nbytes, n, wire, algorithm)
+    return allreduce_time(nbytes, n, hierarchical_wire(per_node, intra, inter, algorithm, nics), algorithm)
+
+
+def group_allreduce_time(nbytes: float, n_nodes: int, per_node: int, intra: LinkLike, inter: LinkLike,
+                         algorithm: str = "ring", nics: float = 1.0) -> float:
+    """Seconds for a data-parallel group's all-reduce over n_nodes x per_node ranks: flat at
+    `hierarchical_wire`'s link, or for `hierarchical_<alg>` in three phases (NCCL's and Horovod's
+    hierarchical all-reduce; Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 4.1, where
+    the servers' sums meet by recursive halving and doubling): a ring reduce-scatter inside each node,
+    then <alg> across nodes of a 1/per_node share of the vector by each of a node's ranks at once (per_node
+    flows through the `nics` adapters: with one adapter, the whole vector through it, as Goyal's one
+    sum per server), then a ring all-gather inside the node. The inside phases together cost a ring
+    all-reduce on `intra`."""
+    if not algorithm.startswith("hierarchical_") or n_nodes == 1 or per_node == 1:
+        flat = algorithm.removeprefix("hierarchical_")
+        if n_nodes == 1:
+            return allreduce_time(nbytes, per_node, intra, flat)
+        wire = hierarchical_wire(per_node, intra, inter, flat, nics)
+        return allreduce_time(nbytes, n_nodes * per_node, wire, flat)
+    across = _Wire(inter.bandwidth * min(1.0, nics / per_node), inter.latency)
+    inside = allreduce_time(nbytes, per_node, intra, "ring")
+    between = allreduce_time(nbytes / per_node, n_nodes, across, algorithm.removeprefix("hierarchical_"))
+    return inside + between
 
 
 def ps_time(nbytes: float, workers: int, servers: int, link: LinkLike,

@@ -33,9 +33,16 @@ from paraloom.perfmodel.cpu_cost import (
     unhidden_cpu,
 )
 from paraloom.perfmodel.device_cost import layer_seconds, update_seconds
-from paraloom.perfmodel.hardware import Hardware, Link
+from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.memory import stage_peaks
-from paraloom.perfmodel.network import allreduce_time, group_key, group_link, p2p_time, ps_time
+from paraloom.perfmodel.network import (
+    allreduce_time,
+    group_allreduce_time,
+    group_link,
+    p2p_time,
+    ps_time,
+)
+from paraloom.perfmodel.plan_links import dp_group, dp_link, stream
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
 from paraloom.rules import check_interleaving, check_name, check_parallel_layout
@@ -192,47 +199,6 @@ def _tp_comm(profile: ModelProfile, hw: Hardware, plan: Plan, samples: float) ->
     return total
 
 
-def _stream(hw: Hardware, link: Link) -> Link:
-    """hw.intra or hw.inter at its calibrated single-stream rate (`p2p_bandwidth.*`), for
-    point-to-point traffic; the link as it is when there is no such constant."""
-    key = "p2p_bandwidth.inter" if link is hw.inter else "p2p_bandwidth.intra"
-    bandwidth = hw.constants.get(key)
-    return Link(link.name, bandwidth, link.latency) if bandwidth else link
-
-
-def _measured_group(hw: Hardware, link: Link, plan: Plan) -> Link:
-    """The inter-node link as the plan's all-reduce among its dp workers measured it for the
-    compressor's wire dtype (`calibrate.measure_groups`:
-    `allreduce.n<dp>.<dtype>.<algorithm>.bandwidth|latency`), where it was measured.
-
-    On an emulated cluster every worker is a process of one host: n of them move bytes slower than the
-    two the inter link was fitted on, and gloo sums fp16 and bf16 payloads with more CPU per byte
-    than fp32. Without the constants (presets, real clusters) the link is used as it is.
-    """
-    dtype = WIRE_DTYPE.get(plan.compressor, "float32")
-    bandwidth = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "bandwidth"))
-    latency = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "latency"))
-    if bandwidth is None or latency is None:
-        return link
-    return Link(link.name, bandwidth, latency)
-
-
-def _dp_link(hw: Hardware, plan: Plan, *, p2p: bool = False) -> Link:
-    """The data-parallel group's link (at the stream rate with `p2p`, else as the group's all-reduce
-    measured it); groups that cross nodes share each node's adapters."""
-    link = group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
-    crosses = link is hw.inter
-    if p2p:
-        link = _stream(hw, link)
-    elif crosses:
-        link = _measured_group(hw, link, plan)
-    if crosses:
-        groups_per_node = min(hw.devices_per_node, plan.tp * plan.pp)
-        share = min(1.0, hw.nics_per_node / groups_per_node)
-        return Link(link.name, link.bandwidth * share, link.latency)
-    return link
-
-
 def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
              options: Options | None = None) -> Estimate:
     """Predicted step time, throughput and memory of `plan` for `global_batch` samples per step."""
@@ -252,7 +218,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     if profile.recompute == "full":
         bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
     stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
-    pp_link = _stream(hw, group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter,
+    pp_link = stream(hw, group_link(plan.pp, hw.devices_per_node, hw.intra, hw.inter,
                                      stride=plan.dp * plan.tp))
     v = plan.virtual_stages
     stage_f, stage_b, tp_s, p2p_s = [], [], 0.0, 0.0
@@ -295,7 +261,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     sync = hw.constants.get(SYNC_OVERHEAD, 0.0) * slow * barriers if synchronous else 0.0
     step = pipeline + dp_exposed + codec + update + data + overhead + sync
     if plan.servers and plan.consistency != "bsp":  # asynchronous workers: a closed queueing network
-        link = _dp_link(hw, plan, p2p=True)
+        link = dp_link(hw, plan, p2p=True)
         push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
         pull = link.latency + grad_bytes / link.bandwidth
         own = pipeline + codec + data + overhead
@@ -346,21 +312,27 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
     if plan.dp == 1:
         return 0.0, 0.0
-    link = _dp_link(hw, plan)
+    link = dp_link(hw, plan)
     start, stop = stage
     if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
         push = compressed_bytes(grad_bytes, plan.compressor)
-        total = ps_time(grad_bytes, plan.dp, plan.servers, _dp_link(hw, plan, p2p=True), push_bytes=push,
+        total = ps_time(grad_bytes, plan.dp, plan.servers, dp_link(hw, plan, p2p=True), push_bytes=push,
                         slices=ps_slices(grad_bytes, plan, opts))
         total = max(total, server_cpu(hw, plan, opts, push, grad_bytes))  # a server's CPU is one too
         exposed = max(0.0, total - sum(bwd[start:stop]))
         own = (push + grad_bytes) * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan))  # a worker's own CPU
         return unhidden_cpu(exposed, total, own), total
 
+    group = dp_group(hw, plan) if plan.algorithm.startswith("hierarchical_") else None
+
     def send(nbytes: float) -> float:
-        if plan.compressor == "none":
-            return allreduce_time(nbytes, plan.dp, link, plan.algorithm)
-        return compressed_sync_time(nbytes, plan.dp, link, plan.compressor, plan.algorithm)
+        if plan.compressor != "none":  # a compressor's payload goes flat, by the algorithm inside
+            return compressed_sync_time(nbytes, plan.dp, link, plan.compressor, plan.algorithm)
+        if group is not None:
+            per_node, measured, nics = group
+            return group_allreduce_time(nbytes, plan.dp // per_node, per_node, hw.intra, measured,
+                                        plan.algorithm, nics)
+        return allreduce_time(nbytes, plan.dp, link, plan.algorithm)
 
     # backward of the last micro-batch is the window (earlier ones run under no_sync)
     layers = [overlap.LayerTimes(fwd[i], bwd[i], profile.layers[i].param_count * 4.0 / plan.tp)
