@@ -79,16 +79,19 @@ def spec_fields(spec: str) -> dict[str, int]:
 
 
 @functools.cache
-def _profile(model: str, dtype: str, recompute: str):
-    return profile_model(model, dtype=dtype, recompute=recompute)
+def _profile(model: str, dtype: str, recompute: str, half_model: bool = False):
+    return profile_model(model, dtype=dtype, recompute=recompute, half_model=half_model)
 
 
 def throughput(case: dict[str, Any], plan_raw: dict[str, Any], batch: int) -> tuple[float, Any]:
-    """(samples a second, the estimate) of the case's model and hardware under `plan_raw`."""
+    """(samples a second, the estimate) of the case's model and hardware under `plan_raw`; a case's
+    `layout` (megatron, zero1...) is the framework's: the model itself in its dtype, its memory layout."""
     hw = hardware(case["hardware"], case["id"])
-    profile = _profile(case["model"], case.get("dtype", "fp32"), case.get("recompute", "none"))
+    layout = case.get("layout", "ddp")
+    profile = _profile(case["model"], case.get("dtype", "fp32"), case.get("recompute", "none"),
+                       layout != "ddp")
     est = estimate(profile, hw, plan_of(plan_raw, case["id"]), batch,
-                   Options(optimizer=case.get("optimizer", "adam")))
+                   Options(optimizer=case.get("optimizer", "adam"), layout=layout))
     return batch / est.step_s, est
 
 

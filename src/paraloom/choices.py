@@ -31,6 +31,9 @@ SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an 
 # runs them: `paraloom plan --plan dp=64,algorithm=double_binary_tree`) but paraloom does not run
 # (hierarchical_<alg>: reduce-scatter inside each node, <alg> across nodes, all-gather inside: NCCL's
 # and Horovod's hierarchical all-reduce, Goyal et al. 2017's three phases)
+# how a framework lays a model's training state out in memory (perfmodel/memory.py): paraloom's and torch
+# DDP's under autocast, Megatron-LM's fp32 main_grad, DeepSpeed ZeRO's stages; the planner prices all
+MEMORY_LAYOUTS = ("ddp", "megatron", "zero1", "zero2", "zero3")
 MODELLED_ALGORITHMS = ("reduction_tree", "double_binary_tree", "hierarchical_ring",
                        "hierarchical_halving_doubling", "hierarchical_double_binary_tree")
 SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order

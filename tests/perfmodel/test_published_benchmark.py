@@ -67,3 +67,12 @@ def test_fit_recovers_the_efficiency_a_case_was_measured_at(tmp_path):
     (fit,) = json.loads(out.read_text())["fits"]
     assert (fit["device"], fit["op_class"], fit["value"]) == ("k80", "conv", 0.3)
     assert fit["median_after"] < 1e-9 < fit["median_before"] and fit["cases"] == ["tf-aws-resnet50-1gpu"]
+
+
+def test_megatrons_own_layout_of_its_1t_run_fits_its_80_gb_gpus(tmp_path):
+    """Narayanan et al. 2021 trained the 1T GPT on tp8 x pp64 A100s of 80 GB: in Megatron's layout (the
+    model in fp16, one fp32 main_grad) the model says it fits; in paraloom's own it would not."""
+    out = tmp_path / "p.json"
+    run_script("perfmodel_published.py", "--json", str(out), "--only", "megatron-t1-1008.0B", timeout=120)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["fits"] and row["memory_gib"] < 80

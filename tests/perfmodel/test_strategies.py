@@ -304,3 +304,34 @@ def test_data_parallel_groups_share_a_nodes_adapters_as_their_algorithm_sends():
     tp = [estimate(profile, load_hardware(one_nic), Plan(dp=d, tp=t), 256).breakdown["dp_comm_total"]
           for d, t in ((16, 1), (16, 2))]
     assert tp[1] > 0.9 * tp[0]  # half the bytes (tp halves the gradient) at half the bandwidth
+
+
+def test_framework_layouts_hold_what_their_sources_say(capsys):
+    """Megatron-LM's fp32 main_grad layout: 18 bytes a parameter in fp16 with Adam; ZeRO's stages
+    (Rajbhandari et al. 2020): 4 + 12/N_d, 2 + 14/N_d and 16/N_d."""
+    from paraloom.cli import main
+    from paraloom.perfmodel.memory import layout_state
+
+    spec = "gpt:layers=2,hidden=256,heads=4,seq=64"
+    half = profile_model(spec, dtype="fp16", half_model=True)
+    n = half.n_params
+    expected = {"megatron": 18, "zero1": 4 + 12 / 8, "zero2": 2 + 14 / 8, "zero3": 16 / 8}
+    for layout, per_param in expected.items():
+        assert sum(layout_state(half, Plan(dp=8), layout, "adam").values()) == pytest.approx(per_param * n)
+    # the model in half precision keeps fewer activation bytes than autocast's fp32 residual stream
+    mixed = profile_model(spec, dtype="fp16")
+    assert half.grad_bytes == 2 * n and mixed.grad_bytes == 4 * n
+    assert half.activation_bytes() < mixed.activation_bytes()
+    hw = load_hardware("a100-hdr")
+    peaks = [estimate(half, hw, Plan(dp=8), 64, Options(layout=lay)).memory_bytes
+             for lay in ("megatron", "zero1", "zero2", "zero3")]
+    assert peaks == sorted(peaks, reverse=True)
+    with pytest.raises(UserError, match="half_model=True"):
+        estimate(mixed, hw, Plan(dp=8), 64, Options(layout="megatron"))
+    with pytest.raises(UserError, match="memory layout"):
+        Options(layout="fsdp")
+    argv = ["plan", "--model", spec, "--cluster", "a100-hdr", "--nodes", "1", "--dtype", "fp16",
+            "--global-batch", "64", "--plan", "dp=8", "--layout", "zero3"]
+    assert main(argv) == 0
+    assert main([*argv, "--emit", "x.yaml"]) == 2
+    assert "paraloom trains in the ddp layout" in capsys.readouterr().err

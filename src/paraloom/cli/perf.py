@@ -29,6 +29,9 @@ def plan(
     recompute: Annotated[str, typer.Option(help="activation recomputation: none, selective (the attention "
                                            "core) or full")] = "none",
     optimizer: Annotated[str, typer.Option(help="adam, momentum or sgd (optimizer state)")] = "adam",
+    layout: Annotated[str, typer.Option(
+        help="memory layout: ddp (paraloom's and torch DDP's: fp32 weights under autocast), or another "
+             "framework's, the model in --dtype: megatron (fp32 main_grad), zero1, zero2, zero3")] = "ddp",
     plan_: Annotated[str | None, typer.Option(
         "--plan", metavar="dp=..,tp=..,pp=..,microbatches=..",
         help="predict this plan on the first node count instead of searching")] = None,
@@ -46,7 +49,7 @@ def plan(
 
     run_plan(model=model, cluster=cluster, nodes=nodes, global_batch=global_batch, dtype=dtype,
              recompute=recompute, optimizer=optimizer, plan=plan_, json_out=json_out, emit=emit, plot=plot,
-             floor=efficiency_floor, exact_only=exact_only, top=top, data=data)
+             floor=efficiency_floor, exact_only=exact_only, top=top, data=data, layout=layout)
 
 
 def calibrate(

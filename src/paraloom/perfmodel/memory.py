@@ -33,6 +33,28 @@ def activation_share(tp: int) -> float:
     return TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
 
 
+def layout_state(part: ModelProfile, plan, layout: str, optimizer: str) -> dict[str, float]:
+    """Bytes of training state one device holds all step long under another framework's layout, the
+    model itself in the profile's dtype (`half_model`: w bytes a parameter, 2 for fp16 and bf16; the
+    optimizer's fp32 master weights and moments are `optimizer_bytes`, 12 a parameter with Adam):
+    - megatron (Megatron-LM's DistributedDataParallel with contiguous buffers, gradients accumulated
+      and all-reduced in fp32, without its distributed optimizer): weights w, `main_grad` 4, the
+      optimizer's: 18 bytes a parameter in fp16 with Adam, no bucket copy (the buffer is reduced as is);
+    - zero1, zero2, zero3 (DeepSpeed; Rajbhandari et al. 2020, "ZeRO", section 5 and Figure 1): the
+      optimizer's state split over the data-parallel ranks; zero2 the gradients (w) too; zero3 the
+      weights too: 4 + 12/N_d, 2 + 14/N_d and 16/N_d bytes a parameter in fp16 with Adam.
+    """
+    params = part.n_params / plan.tp
+    weight, grad = params * part.dtype_bytes, params * (4.0 if layout == "megatron" else part.dtype_bytes)
+    optimizer = part.optimizer_bytes(optimizer) / plan.tp
+    if layout.startswith("zero"):
+        stage = int(layout[-1])
+        optimizer /= plan.dp
+        grad /= plan.dp if stage >= 2 else 1
+        weight /= plan.dp if stage == 3 else 1
+    return {"weights": weight, "grads": grad, "optimizer": optimizer, "buffers": 0.0}
+
+
 def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> dict[str, float]:
     """Bytes one device of `stage` holds, by kind."""
     params = part.n_params / plan.tp
@@ -47,8 +69,10 @@ def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> di
     # the layer whose forward and backward need the most room besides what it saves (a language
     # model's loss over its vocabulary, usually), with every other layer's saved tensors held
     working = max(layer.work_bytes for layer in part.layers) * micro * activation_share(plan.tp)
-    return {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers,
-            "activations": activations, "working": working}
+    state = {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers}
+    if opts.layout != "ddp":
+        state = layout_state(part, plan, opts.layout, opts.optimizer)
+    return {**state, "activations": activations, "working": working}
 
 
 def peak_bytes(kinds: dict[str, float], mixed: bool) -> float:
@@ -61,9 +85,16 @@ def peak_bytes(kinds: dict[str, float], mixed: bool) -> float:
     return kept + max(backward, kinds["grads"])
 
 
+def layout_peak(kinds: dict[str, float]) -> float:
+    """A device's peak under another framework's layout: its state stays all step (weights, the
+    gradient buffer, the optimizer's), the activations and working room on top."""
+    return sum(kinds.values())
+
+
 def stage_peaks(profile: ModelProfile, plan, stages: list[tuple[int, int]], micro: float,
                 opts) -> list[float]:
     """A device's peak bytes in each stage of the plan (the fullest device is their max)."""
     mixed = profile.dtype != "fp32"
-    return [peak_bytes(stage_memory(profile.slice(start, stop), plan, k, micro, opts), mixed)
-            for k, (start, stop) in enumerate(stages)]
+    kinds = [stage_memory(profile.slice(start, stop), plan, k, micro, opts) for k, (start, stop) in
+             enumerate(stages)]
+    return [layout_peak(k) if opts.layout != "ddp" else peak_bytes(k, mixed) for k in kinds]

@@ -41,18 +41,12 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
              recompute: str = "none", optimizer: str = "adam", plan: str | None = None,
              json_out: Path | None = None, emit: Path | None = None, plot: Path | None = None,
              floor: float = 0.7, exact_only: bool = False, top: int = 10,
-             data: str | None = None) -> dict[str, Any]:
+             data: str | None = None, layout: str = "ddp") -> dict[str, Any]:
     """Predict one plan (`plan`) or rank every plan at each node count; print, and write what was asked."""
-    for path in (json_out, emit, plot):
-        if path is not None and not path.parent.is_dir():
-            raise UserError(f"{str(path)!r}: directory {str(path.parent)!r} does not exist")
-    if global_batch < 1:
-        raise UserError(f"--global-batch {global_batch} must be at least 1")
-    if not 0 < floor <= 1:
-        raise UserError(f"--efficiency-floor {floor} must lie in (0, 1]")
+    _check_arguments((json_out, emit, plot), global_batch, floor, layout, emit is not None)
+    options = Options(optimizer=optimizer, layout=layout)
     hw = load_hardware(cluster)
-    profile = profile_model(model, dtype=dtype, recompute=recompute, data=data)
-    options = Options(optimizer=optimizer)
+    profile = profile_model(model, dtype=dtype, recompute=recompute, data=data, half_model=layout != "ddp")
     counts = parse_nodes(nodes)
     console = Console(width=max(Console().width, 130))
     if plan is not None:
@@ -115,6 +109,20 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _check_arguments(paths: tuple[Path | None, ...], global_batch: int, floor: float, layout: str,
+                     emitting: bool) -> None:
+    for path in paths:
+        if path is not None and not path.parent.is_dir():
+            raise UserError(f"{str(path)!r}: directory {str(path.parent)!r} does not exist")
+    if global_batch < 1:
+        raise UserError(f"--global-batch {global_batch} must be at least 1")
+    if not 0 < floor <= 1:
+        raise UserError(f"--efficiency-floor {floor} must lie in (0, 1]")
+    if layout != "ddp" and emitting:
+        raise UserError(f"--emit: paraloom trains in the ddp layout; --layout {layout} prices another "
+                        "framework's run")
 
 
 def profile_summary(profile, global_batch: int) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class ModelProfile:
     recompute: str  # "none" | "full" (every layer keeps only its input; backward recomputes it)
     layers: tuple[LayerProfile, ...]
     input_bytes: float  # per sample, as loaded (int64 tokens, fp32 images), or the activation a stage gets
+    half_model: bool = False  # the model itself in dtype, no autocast (as Megatron-LM and DeepSpeed train)
 
     @property
     def n_params(self) -> int:
@@ -80,8 +81,9 @@ class ModelProfile:
 
     @property
     def grad_bytes(self) -> float:
-        """Gradients are fp32 in every dtype: autocast's weights are fp32, and so are their gradients."""
-        return float(self.n_params * 4)
+        """Gradients are fp32 in every dtype: autocast's weights are fp32, and so are their gradients;
+        a half-precision model's are in its dtype."""
+        return float(self.n_params * (self.dtype_bytes if self.half_model else 4))
 
     @property
     def output_bytes(self) -> float:
@@ -291,9 +293,14 @@ def _pieces(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 @functools.lru_cache(maxsize=16)
-def _profile(spec: str, dtype: str, data: str | None = None, selective: bool = False) -> ModelProfile:
+def _profile(spec: str, dtype: str, data: str | None = None, selective: bool = False,
+             half_model: bool = False) -> ModelProfile:
     model, make_input = build_from_spec(spec, "meta", data)
     model.train()  # fp32 weights: a mixed-precision profile runs under emulated autocast, as training does
+    half_model = half_model and dtype != "fp32"
+    if half_model:  # or the model itself in the low dtype, its floating inputs too (no autocast)
+        model.to(DTYPES[dtype])
+        make_input = _cast_input(make_input, DTYPES[dtype])
     if selective:  # the model runs it, so the counters see its recomputation and what it keeps
         cores = [m for m in model.modules() if hasattr(m, "selective")]
         if not cores:
@@ -301,7 +308,7 @@ def _profile(spec: str, dtype: str, data: str | None = None, selective: bool = F
                             "has none")
         for module in cores:
             module.selective = True
-    low = DTYPES[dtype] if dtype != "fp32" else None
+    low = DTYPES[dtype] if dtype != "fp32" and not half_model else None
     named = _pieces(model)
     shared = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     runs, input_sizes = [], []
@@ -325,19 +332,27 @@ def _profile(spec: str, dtype: str, data: str | None = None, selective: bool = F
                                    param_tensors=len(params), **per_sample,
                                    **{k: large[k] for k in KERNELS}))
     return ModelProfile(spec=spec, dtype=dtype, recompute="none", layers=tuple(layers),
-                        input_bytes=(input_sizes[1] - input_sizes[0]) / db)
+                        input_bytes=(input_sizes[1] - input_sizes[0]) / db, half_model=half_model)
+
+
+def _cast_input(make_input, dtype: torch.dtype):
+    def make(batch: int):
+        x = make_input(batch)
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    return make
 
 
 def profile_model(spec: str, *, dtype: str = "fp32", recompute: str = "none",
-                  data: str | None = None) -> ModelProfile:
+                  data: str | None = None, half_model: bool = False) -> ModelProfile:
     """Profile the model a spec names (see `specs.SPEC_HELP`) in `dtype`, with recompute "none",
     "selective" (the attention core, as the model runs it: measured) or "full" (every layer, priced
     from the profile); a user's model may take its example input from the data set `data` names
-    (`package.module:factory`)."""
+    (`package.module:factory`). `half_model`: the model itself in fp16/bf16, as Megatron-LM and
+    DeepSpeed train (their memory layouts), instead of paraloom's fp32 weights under autocast."""
     _check(dtype, DTYPES, "dtype")
     _check(recompute, RECOMPUTE, "recompute")
     spec = spec.strip() if isinstance(spec, str) else spec
-    base = _profile(spec, dtype, data.strip() if data else None, recompute == "selective")
+    base = _profile(spec, dtype, data.strip() if data else None, recompute == "selective", half_model)
     return replace(base, recompute=recompute)
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from paraloom.choices import (
     ALL_REDUCE_ALGORITHMS,
     CONSISTENCY,
+    MEMORY_LAYOUTS,
     MODELLED_ALGORITHMS,
     PIPELINE_SCHEDULES,
     SCHEDULERS,
@@ -134,6 +135,10 @@ class Options:
     shard_optimizer: bool = _COMM.shard_optimizer
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
     guard: bool = _GUARD.nan  # guard.nan: skip steps with NaN/Inf gradients (some updaters all-reduce a flag)
+    layout: str = "ddp"  # a framework's memory layout (memory.layout_state): ddp (paraloom), megatron, zeroN
+
+    def __post_init__(self) -> None:
+        check_name("memory layout", self.layout, MEMORY_LAYOUTS)
 
 
 def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[tuple[int, int]]:
@@ -203,6 +208,9 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
              options: Options | None = None) -> Estimate:
     """Predicted step time, throughput and memory of `plan` for `global_batch` samples per step."""
     opts = options or Options()
+    if opts.layout != "ddp" and profile.dtype != "fp32" and not profile.half_model:
+        raise UserError(f"layout={opts.layout} keeps the model itself in {profile.dtype}: profile it with "
+                        "half_model=True (paraloom plan --layout does)")
     model_parallel = plan.tp > 1 or plan.pp > 1 or plan.microbatches > 1
     if global_batch % (plan.dp * plan.microbatches) and model_parallel:
         unit = plan.dp * plan.microbatches
