@@ -140,11 +140,12 @@ def test_refine_needs_finished_runs(tmp_path):
 
 def test_calibrate_cli_writes_a_profile_plan_can_use(tmp_path, capsys):
     out = tmp_path / "here.yaml"
-    assert main(["calibrate", "--out", str(out)]) == 0
+    assert main(["calibrate", "--out", str(out), "--storage", str(tmp_path)]) == 0
     hw = load_hardware(str(out))
     assert hw.intra.bandwidth > 1e7 and hw.intra.latency >= 0
+    assert hw.constants["storage.read_bandwidth"] > 1e6 and list(tmp_path.iterdir()) == [out]
     assert main(["plan", "--model", "mlp:hidden=512", "--cluster", str(out), "--nodes", "1..2",
-                 "--global-batch", "64"]) == 0
+                 "--global-batch", "64", "--sample-bytes", "3 KB"]) == 0
     assert "recommended:" in capsys.readouterr().out
     assert main(["calibrate", "--from", str(tmp_path)]) == 2  # --from needs --hardware
 

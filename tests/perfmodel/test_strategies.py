@@ -1,5 +1,7 @@
 """The cost model on hand-sized models and hardware: every term checked against a computed value."""
 
+import json
+
 import pytest
 
 from paraloom.errors import UserError
@@ -335,3 +337,43 @@ def test_framework_layouts_hold_what_their_sources_say(capsys):
     assert main(argv) == 0
     assert main([*argv, "--emit", "x.yaml"]) == 2
     assert "paraloom trains in the ddp layout" in capsys.readouterr().err
+
+
+def test_samples_read_from_storage_show_only_beyond_the_step(tmp_path):
+    """A prefetching loader reads the next samples while the step runs (Paleo's T_disk): a read
+    shorter than the step costs nothing, a longer one sets the step; the samples of a step are spread
+    over the nodes its replicas run on."""
+    from paraloom.perfmodel.storage import measure_read_rate
+
+    profile = profile_model("mlp")
+    base = load_hardware("a100-hdr")
+    hw = Hardware(name="disk", device=base.device, devices_per_node=8, intra=base.intra, inter=base.inter,
+                  constants={"storage.read_bandwidth": 100e6}, nics_per_node=8)
+    quiet = estimate(profile, hw, Plan(dp=8), 512)
+    small = estimate(profile, hw, Plan(dp=8), 512, Options(sample_bytes=1.0))
+    assert small.step_s == quiet.step_s > 512 / 100e6  # 512 bytes a step read in 5 us, inside the step
+    big = estimate(profile, hw, Plan(dp=8), 512, Options(sample_bytes=110e3))  # ImageNet's JPEGs
+    assert big.step_s == pytest.approx(110e3 * 512 / 100e6)  # 0.56 s of reading on the one node
+    assert big.breakdown["data"] == pytest.approx(big.step_s - quiet.step_s + quiet.breakdown["data"])
+    two_nodes = estimate(profile, hw, Plan(dp=16), 512, Options(sample_bytes=110e3))
+    assert two_nodes.step_s == pytest.approx(big.step_s / 2)
+    with pytest.raises(UserError, match="storage.read_bandwidth"):
+        estimate(profile, base, Plan(dp=8), 512, Options(sample_bytes=110e3))
+    rate, dropped = measure_read_rate(tmp_path, nbytes=8 << 20)
+    assert rate > 1e6 and dropped and not list(tmp_path.iterdir())  # nothing left behind
+    with pytest.raises(UserError, match="is not a directory"):
+        measure_read_rate(tmp_path / "absent")
+
+
+def test_plan_takes_the_bytes_a_sample_is_stored_as(tmp_path, capsys):
+    from paraloom.cli import main
+
+    profile = tmp_path / "disk.yaml"
+    profile.write_text("device: a100\ninter: ib-hdr\nconstants: {storage.read_bandwidth: 100000000}\n")
+    argv = ["plan", "--model", "mlp", "--cluster", str(profile), "--nodes", "1", "--global-batch", "512",
+            "--plan", "dp=8", "--json", str(tmp_path / "p.json")]
+    assert main([*argv, "--sample-bytes", "110 KB"]) == 0
+    estimate_ = json.loads((tmp_path / "p.json").read_text())["estimate"]
+    assert estimate_["step_s"] == pytest.approx(110e3 * 512 / 100e6)  # the node's reading sets the step
+    assert main([*argv, "--sample-bytes", "lots"]) == 2
+    assert "--sample-bytes='lots' is not a quantity in bytes" in capsys.readouterr().err

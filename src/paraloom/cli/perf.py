@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +12,7 @@ from rich.console import Console
 
 from paraloom.cli.options import cluster_from_options
 from paraloom.errors import UserError
+from paraloom.perfmodel.storage import READ_BANDWIDTH
 
 
 def plan(
@@ -32,6 +34,10 @@ def plan(
     layout: Annotated[str, typer.Option(
         help="memory layout: ddp (paraloom's and torch DDP's: fp32 weights under autocast), or another "
              "framework's, the model in --dtype: megatron (fp32 main_grad), zero1, zero2, zero3")] = "ddp",
+    sample_bytes: Annotated[str, typer.Option(
+        help="a training sample as stored (e.g. '110 KB' for ImageNet's JPEGs), read from storage every "
+             "step at the profile's storage.read_bandwidth while the step runs; 0: the data set in memory")
+    ] = "0",
     plan_: Annotated[str | None, typer.Option(
         "--plan", metavar="dp=..,tp=..,pp=..,microbatches=..",
         help="predict this plan on the first node count instead of searching")] = None,
@@ -49,7 +55,8 @@ def plan(
 
     run_plan(model=model, cluster=cluster, nodes=nodes, global_batch=global_batch, dtype=dtype,
              recompute=recompute, optimizer=optimizer, plan=plan_, json_out=json_out, emit=emit, plot=plot,
-             floor=efficiency_floor, exact_only=exact_only, top=top, data=data, layout=layout)
+             floor=efficiency_floor, exact_only=exact_only, top=top, data=data, layout=layout,
+             sample_bytes=sample_bytes)
 
 
 def calibrate(
@@ -73,6 +80,9 @@ def calibrate(
         help="with --device: the data sheet the efficiencies are fractions of (h100, a100, t4, ...; "
              "default: the one the device's name matches)")] = None,
     inter: Annotated[str, typer.Option(help="with --device: the network preset between nodes")] = "ib-ndr",
+    storage: Annotated[Path, typer.Option(
+        help="where the training data lives: its read rate is measured there (a 128 MiB file, written, "
+             "dropped from the page cache, read back)")] = Path(tempfile.gettempdir()),
 ) -> None:
     """Measure this machine into a hardware profile for `paraloom plan`, or refine one from runs."""
     from paraloom.perfmodel import calibrate as cal
@@ -103,14 +113,17 @@ def calibrate(
         with cluster_from_options(cluster, emulate) as nodes, contextlib.ExitStack() as stack:
             groups = [stack.enter_context(_emulated_like(nodes, n)) for n in sizes if n != nodes.nodes]
             hw, _ = cal.calibrate(cluster=nodes, devices_per_node=devices_per_node, threads=threads,
-                                  group_clusters=groups,
+                                  group_clusters=groups, storage=storage,
                                   progress=lambda text: console.print(f"measuring {text}"))
     out.write_text(hw.to_yaml())
+    read = hw.constants.get(READ_BANDWIDTH)
     d = hw.device
     console.print(f"matmul {d.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, "
                   f"memory {d.mem_bandwidth / 1e9:.1f} GB/s, "
                   f"intra {hw.intra.bandwidth / 1e6:.0f} MB/s + {hw.intra.latency * 1e6:.0f} us, "
-                  f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us -> {out}")
+                  f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us"
+                  + (f", storage read {read / 1e6:.0f} MB/s" if read else "")
+                  + f" -> {out}")
 
 
 def _run_dirs(given: list[Path]) -> list[Path]:

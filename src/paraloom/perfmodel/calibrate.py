@@ -27,6 +27,7 @@ from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_c
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
+from paraloom.perfmodel.storage import READ_BANDWIDTH, measure_read_rate
 from paraloom.perfmodel.strategies import SYNC_OVERHEAD, estimate, host_slowdown
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
@@ -145,8 +146,8 @@ def build_profile(compute: dict[str, float], intra: Link, inter: Link, *, name: 
 
 
 def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name: str = "this-machine",
-              group_clusters=(), progress: Callable[[str], None] = lambda _: None
-              ) -> tuple[Hardware, dict[str, Any]]:
+              group_clusters=(), progress: Callable[[str], None] = lambda _: None,
+              storage: Path | None = None) -> tuple[Hardware, dict[str, Any]]:
     """Measure this machine; inter-node constants come from `cluster` (emulated) when given.
 
     The ring all-reduce's alpha and beta describe collectives (its beta includes the reduction's
@@ -158,6 +159,7 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
     The links (loopback, inter-node) describe the wire, so their alpha is the floor
     (`measure_link(floor=True)`); a group's constants describe what n processes sharing this
     host's cores achieve, waits included, so theirs come from the median repeats.
+    With `storage`, the read rate of a fresh file there too (`storage.measure_read_rate`).
     """
     progress("compute: matmul, conv, attention, element-wise, memory bandwidth")
     compute = measure_compute(threads)
@@ -182,6 +184,9 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
     hw = build_profile(compute, intra, inter, name=name, devices_per_node=devices_per_node,
                        host_cores=(os.cpu_count() or 1) // max(1, threads))
     extra = {**links, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
+    if storage is not None:
+        progress(f"storage: the read rate of a fresh file in {storage}")
+        extra[READ_BANDWIDTH], _ = measure_read_rate(storage)
     hw = replace(hw, constants={**hw.constants, **extra})
     return hw, {"compute": compute, "codecs": codecs, "loopback_rows": loop_rows, "inter_rows": inter_rows}
 

@@ -46,6 +46,11 @@ def _quantity(value: Any, kind: str, where: str, *, positive: bool = True) -> fl
     return number
 
 
+def parse_bytes(value: Any, where: str) -> float:
+    """A size in bytes, 0 or more: a number, or a string with a unit ('110 KB', '1.5 MiB')."""
+    return _quantity(value, "bytes", where, positive=False)
+
+
 def _fields(raw: Any, valid: tuple[str, ...], where: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise UserError(f"{where} must be a mapping with keys {', '.join(valid)}, got {type(raw).__name__}")
@@ -319,4 +324,4 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
 
 
 __all__ = ["Device", "Hardware", "Link", "device_preset", "device_preset_names", "link_preset",
-           "load_hardware", "network_nics", "preset_names", "preset_node"]
+           "load_hardware", "network_nics", "parse_bytes", "preset_names", "preset_node"]

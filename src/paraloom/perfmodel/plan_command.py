@@ -14,7 +14,7 @@ from rich.table import Table
 from paraloom.choices import MODELLED_ALGORITHMS
 from paraloom.errors import UserError
 from paraloom.models import MODELS
-from paraloom.perfmodel.hardware import Hardware, load_hardware
+from paraloom.perfmodel.hardware import Hardware, load_hardware, parse_bytes
 from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
 from paraloom.perfmodel.profile import profile_model
 from paraloom.perfmodel.specs import parse_args
@@ -41,10 +41,11 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
              recompute: str = "none", optimizer: str = "adam", plan: str | None = None,
              json_out: Path | None = None, emit: Path | None = None, plot: Path | None = None,
              floor: float = 0.7, exact_only: bool = False, top: int = 10,
-             data: str | None = None, layout: str = "ddp") -> dict[str, Any]:
+             data: str | None = None, layout: str = "ddp", sample_bytes: str | float = 0) -> dict[str, Any]:
     """Predict one plan (`plan`) or rank every plan at each node count; print, and write what was asked."""
     _check_arguments((json_out, emit, plot), global_batch, floor, layout, emit is not None)
-    options = Options(optimizer=optimizer, layout=layout)
+    options = Options(optimizer=optimizer, layout=layout,
+                      sample_bytes=parse_bytes(sample_bytes, "--sample-bytes"))
     hw = load_hardware(cluster)
     profile = profile_model(model, dtype=dtype, recompute=recompute, data=data, half_model=layout != "ddp")
     counts = parse_nodes(nodes)

@@ -46,6 +46,7 @@ from paraloom.perfmodel.network import (
 from paraloom.perfmodel.plan_links import dp_group, dp_link, stream
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
+from paraloom.perfmodel.storage import READ_BANDWIDTH, read_seconds
 from paraloom.rules import check_interleaving, check_name, check_parallel_layout
 
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
@@ -136,6 +137,7 @@ class Options:
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
     guard: bool = _GUARD.nan  # guard.nan: skip steps with NaN/Inf gradients (some updaters all-reduce a flag)
     layout: str = "ddp"  # a framework's memory layout (memory.layout_state): ddp (paraloom), megatron, zeroN
+    sample_bytes: float = 0.0  # a sample as stored, read from storage every step (0: the data set in memory)
 
     def __post_init__(self) -> None:
         check_name("memory layout", self.layout, MEMORY_LAYOUTS)
@@ -268,6 +270,11 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     barriers = 1 + _flag_guard(plan, opts)
     sync = hw.constants.get(SYNC_OVERHEAD, 0.0) * slow * barriers if synchronous else 0.0
     step = pipeline + dp_exposed + codec + update + data + overhead + sync
+    # samples read from storage (Paleo's T_disk) by a prefetching loader, while the step runs: only
+    # what takes longer than the step shows; the step's samples spread over the nodes its replicas use
+    nodes = min(plan.dp, -(-plan.devices // hw.devices_per_node))
+    read = read_seconds(opts.sample_bytes, global_batch, nodes, hw.constants.get(READ_BANDWIDTH))
+    data, step = data + max(0.0, read - step), max(step, read)
     if plan.servers and plan.consistency != "bsp":  # asynchronous workers: a closed queueing network
         link = dp_link(hw, plan, p2p=True)
         push = link.latency + compressed_bytes(grad_bytes, plan.compressor) / link.bandwidth
