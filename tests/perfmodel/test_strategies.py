@@ -377,3 +377,26 @@ def test_plan_takes_the_bytes_a_sample_is_stored_as(tmp_path, capsys):
     assert estimate_["step_s"] == pytest.approx(110e3 * 512 / 100e6)  # the node's reading sets the step
     assert main([*argv, "--sample-bytes", "lots"]) == 2
     assert "--sample-bytes='lots' is not a quantity in bytes" in capsys.readouterr().err
+
+
+def test_sequence_parallelism_splits_what_tensor_parallelism_keeps_whole(tmp_path, capsys):
+    """Korthikanti et al. 2022: with sequence parallelism a tp rank keeps 1/t of every activation (not
+    10/34 whole) and runs 1/t of the element-wise work; the collectives move the same bytes."""
+    from paraloom.cli import main
+    from paraloom.perfmodel.planner import parse_plan
+
+    profile = profile_model("gpt:layers=4,hidden=512,heads=8,seq=256", dtype="bf16")
+    hw = load_hardware("h100-ib-ndr")
+    plain, sp = (estimate(profile, hw, Plan(tp=8, sequence_parallel=s), 8) for s in (False, True))
+    assert sp.memory_bytes < plain.memory_bytes and sp.step_s < plain.step_s
+    assert sp.breakdown["tp_comm"] == plain.breakdown["tp_comm"]
+    assert activation_share(8, sequence_parallel=True) == 1 / 8 < activation_share(8)
+    assert parse_plan("tp=8,sequence_parallel=true") == Plan(tp=8, sequence_parallel=True)
+    assert Plan(tp=8, sequence_parallel=True).label() == "dp1 tp8 sp"
+    with pytest.raises(UserError, match="true only with tp > 1"):
+        Plan(sequence_parallel=True)
+    argv = ["plan", "--model", "gpt:layers=4,hidden=512,heads=8,seq=256", "--cluster", "h100-ib-ndr",
+            "--nodes", "1", "--global-batch", "8", "--plan", "tp=8,sequence_parallel=true"]
+    assert main(argv) == 0
+    assert main([*argv, "--emit", str(tmp_path / "x.yaml")]) == 2
+    assert "does not split the sequence" in capsys.readouterr().err

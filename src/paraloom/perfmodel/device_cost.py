@@ -17,14 +17,16 @@ UPDATE_PER_PARAM, UPDATE_PER_TENSOR = "update_s_per_param", "update_s_per_tensor
 HOST = "host_s"  # the host's seconds to issue one op, as `host_s.<op class>.<fwd|bwd>` (calibrate --device)
 
 
-def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int) -> float:
+def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int,
+                  sequence_parallel: bool = False) -> float:
     """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower,
     a 3x3 stride-1 convolution's FLOPs divided by the device's Winograd factor for the dtype;
     and no faster than the host issues the layer's ops where a GPU profile measured that (`host_s.*`
     or `launch_s`, from `paraloom calibrate --device`): small layers wait on their host.
 
     Megatron tensor parallelism splits the matmul, attention (and convolution) work of a layer
-    tp ways; elementwise work on the replicated activations ("other") is not split.
+    tp ways; elementwise work on the replicated activations ("other") is not split, unless sequence
+    parallelism splits those activations along the sequence too (Korthikanti et al. 2022, section 4.2).
     """
     flops = layer.fwd_flops if phase == "fwd" else layer.bwd_flops
     moved = layer.fwd_mem_bytes if phase == "fwd" else layer.bwd_mem_bytes
@@ -34,7 +36,7 @@ def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, t
         flops = {**flops, "conv": flops.get("conv", 0.0) - winograd + winograd / gain}
     total = 0.0
     for op_class in set(flops) | set(moved):
-        share = 1.0 if op_class == "other" else 1.0 / tp
+        share = 1.0 if op_class == "other" and not sequence_parallel else 1.0 / tp
         compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)
         memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
         total += max(compute, memory)

@@ -29,7 +29,11 @@ def in_flight(schedule: str, microbatches: int, pp: int, stage: int, v: int = 1)
     return min(microbatches, pp - stage)
 
 
-def activation_share(tp: int) -> float:
+def activation_share(tp: int, sequence_parallel: bool = False) -> float:
+    """A tensor-parallel rank's share of a layer's activations: all split with sequence parallelism
+    (Korthikanti et al. 2022, eq. 4: s b h (34 + 5 a s / h) / t), else 10/34 of them whole."""
+    if sequence_parallel:
+        return 1.0 / tp
     return TP_REPLICATED_ACTIVATIONS + (1 - TP_REPLICATED_ACTIVATIONS) / tp
 
 
@@ -65,10 +69,11 @@ def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> di
         optimizer /= plan.dp
     buffers = params * 4.0 if plan.dp > 1 else 0.0  # the engine's fp32 buckets hold a gradient copy
     held = in_flight(plan.schedule, plan.microbatches, plan.pp, stage, plan.virtual_stages)
-    activations = part.activation_bytes() * micro * activation_share(plan.tp) * held
+    share = activation_share(plan.tp, plan.sequence_parallel)
+    activations = part.activation_bytes() * micro * share * held
     # the layer whose forward and backward need the most room besides what it saves (a language
     # model's loss over its vocabulary, usually), with every other layer's saved tensors held
-    working = max(layer.work_bytes for layer in part.layers) * micro * activation_share(plan.tp)
+    working = max(layer.work_bytes for layer in part.layers) * micro * share
     state = {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers}
     if opts.layout != "ddp":
         state = layout_state(part, plan, opts.layout, opts.optimizer)

@@ -153,7 +153,7 @@ def parse_plan(text: str) -> Plan:
         if not sep or key not in fields:
             raise UserError(f"--plan item {item!r} is not KEY=VALUE with KEY one of "
                             f"{', '.join(sorted(fields))}")
-        kwargs[key] = int(value) if value.isdigit() else value
+        kwargs[key] = int(value) if value.isdigit() else {"true": True, "false": False}.get(value, value)
     return Plan(**kwargs)
 
 

@@ -70,6 +70,9 @@ class Plan:
     algorithm: str = "ring"  # all-reduce algorithm: paraloom's, or another system's tree (priced, not run)
     servers: int = 0  # > 0: a parameter server with this many shards instead of all-reduce
     consistency: str = "bsp"  # parameter server: bsp, asp or ssp
+    # Megatron's sequence parallelism (Korthikanti et al. 2022): the activations a tp group keeps whole
+    # split along the sequence; priced, not run by paraloom (the planner never offers it)
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -83,13 +86,17 @@ class Plan:
             check_name(f"plan {key}", getattr(self, key), names)
         if self.servers:
             check_parallel_layout(mode="ps", tp=self.tp, pp=self.pp, microbatches=self.microbatches)
+        if self.sequence_parallel not in (True, False) or (self.sequence_parallel and self.tp == 1):
+            raise UserError(f"plan sequence_parallel={self.sequence_parallel} must be true or false, and "
+                            "true only with tp > 1 (it splits what tensor parallelism keeps whole)")
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp + self.servers
 
     def label(self) -> str:
-        parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1) + [f"pp{self.pp}"] * (self.pp > 1)
+        parts = [f"dp{self.dp}"] + [f"tp{self.tp}" + " sp" * self.sequence_parallel] * (self.tp > 1)
+        parts += [f"pp{self.pp}"] * (self.pp > 1)
         if self.microbatches > 1:
             parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else "")
                          + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
@@ -223,8 +230,9 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     micro = -(-global_batch // plan.dp) / plan.microbatches
     slow = host_slowdown(hw, plan)
     dtype = profile.dtype
-    fwd = [layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp) * slow for layer in profile.layers]
-    bwd = [layer_seconds(layer, hw, dtype, "bwd", micro, plan.tp) * slow for layer in profile.layers]
+    sp = plan.sequence_parallel
+    fwd = [layer_seconds(layer, hw, dtype, "fwd", micro, plan.tp, sp) * slow for layer in profile.layers]
+    bwd = [layer_seconds(layer, hw, dtype, "bwd", micro, plan.tp, sp) * slow for layer in profile.layers]
     if profile.recompute == "full":
         bwd = [b + f for b, f in zip(bwd, fwd, strict=True)]
     stages = split_stages(profile, plan.pp, [f + b for f, b in zip(fwd, bwd, strict=True)])
