@@ -175,3 +175,14 @@ def test_another_systems_tree_is_priced_for_a_plan_but_never_offered_or_emitted(
     assert main(["plan", "--model", "mlp", "--cluster", "a100-hdr", "--nodes", "2", "--global-batch", "512",
                  "--plan", "dp=16,algorithm=double_binary_tree", "--emit", str(tmp_path / "x.yaml")]) == 2
     assert "prices but paraloom does not run" in capsys.readouterr().err
+
+
+def test_parameter_servers_are_host_processes_not_devices(capsys):
+    """A parameter server runs beside the workers on their nodes' CPUs: eight GPUs train as eight
+    workers with two servers, and the planner offers such plans on the devices there are."""
+    assert Plan(dp=8, servers=2).devices == 8
+    assert main(["plan", "--model", "mlp", "--cluster", "v100-25gbe", "--nodes", "1", "--global-batch", "256",
+                 "--plan", "dp=8,servers=2"]) == 0
+    ranked = rank(profile_model("mlp"), load_hardware("v100-25gbe"), 1, 256)
+    assert any(e.plan.servers and e.plan.dp == 8 for e in ranked.estimates)
+    assert all(e.plan.devices <= 8 for e in ranked.estimates)

@@ -111,7 +111,7 @@ def rank(profile: ModelProfile, hw: Hardware, nodes: int, global_batch: int, *,
     out = list(fitting)
     for base in fitting[:keep]:
         for plan in variants(base.plan, exact_only=exact_only):
-            if plan in seen or plan.devices > world + max(SERVERS):
+            if plan in seen or plan.devices > world:
                 continue
             seen.add(plan)
             e = estimate(profile, hw, plan, global_batch, options)

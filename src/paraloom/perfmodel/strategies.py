@@ -92,7 +92,9 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp + self.servers
+        """Accelerators the plan trains on. Parameter servers are host processes beside the workers
+        (as TensorFlow's ps tasks ran on the workers' machines), not devices."""
+        return self.dp * self.tp * self.pp
 
     def label(self) -> str:
         parts = [f"dp{self.dp}"] + [f"tp{self.tp}" + " sp" * self.sequence_parallel] * (self.tp > 1)
