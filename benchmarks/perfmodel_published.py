@@ -48,7 +48,8 @@ from paraloom.perfmodel.strategies import Options, Plan, estimate
 CASES = Path(__file__).with_name("published_cases.yaml")
 METRICS = ("tflops_per_gpu", "samples_per_s", "tokens_per_s", "step_s", "efficiency", "speedup")
 PLAN_FIELDS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages", "scheduler", "compressor",
-               "algorithm", "servers", "consistency", "sequence_parallel")
+               "algorithm", "servers", "consistency", "sequence_parallel",
+               "ps_node_sum")
 WITHIN = 0.15
 
 

@@ -1,6 +1,7 @@
 """The cost model on hand-sized models and hardware: every term checked against a computed value."""
 
 import json
+import math
 
 import pytest
 
@@ -400,3 +401,27 @@ def test_sequence_parallelism_splits_what_tensor_parallelism_keeps_whole(tmp_pat
     assert main(argv) == 0
     assert main([*argv, "--emit", str(tmp_path / "x.yaml")]) == 2
     assert "does not split the sequence" in capsys.readouterr().err
+
+
+def test_a_node_that_sums_its_workers_gradients_pushes_once(tmp_path, capsys):
+    """TensorFlow's distributed_replicated: 16 workers on two 8-GPU nodes push as two, after a ring
+    all-reduce inside each node; the servers move an eighth of the bytes."""
+    from paraloom.cli import main
+    from paraloom.perfmodel.network import ps_time
+
+    profile = profile_model("resnet50")
+    hw = load_hardware("v100-25gbe")
+    each, summed = (estimate(profile, hw, Plan(dp=16, servers=2, ps_node_sum=s), 512) for s in (False, True))
+    grad = profile.n_params * 4.0
+    slices = math.ceil(grad / 2 / (Options().ps_partition_mb * 2**20))  # a shard's messages
+    wire = ps_time(grad, 2, 2, hw.inter, slices=slices) + allreduce_time(grad, 8, hw.intra, "ring")
+    assert summed.breakdown["dp_comm_total"] == pytest.approx(wire, rel=1e-6)
+    assert summed.breakdown["dp_comm_total"] < each.breakdown["dp_comm_total"] / 4
+    assert Plan(dp=16, servers=2, ps_node_sum=True).label() == "dp16 ps2 bsp node-sum"
+    with pytest.raises(UserError, match="only with servers and consistency bsp"):
+        Plan(dp=16, servers=2, consistency="asp", ps_node_sum=True)
+    argv = ["plan", "--model", "resnet50", "--cluster", "v100-25gbe", "--nodes", "2", "--global-batch", "512",
+            "--plan", "dp=16,servers=2,ps_node_sum=true"]
+    assert main(argv) == 0
+    assert main([*argv, "--emit", str(tmp_path / "x.yaml")]) == 2
+    assert "each push their own gradients" in capsys.readouterr().err

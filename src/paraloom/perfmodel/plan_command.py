@@ -142,6 +142,9 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
     """A config `paraloom train` runs as it is: the model (zoo arguments, or a user's factory and
     options with the data set `data` names), the precision it was predicted at, the plan's choices."""
     p = e.plan
+    if p.ps_node_sum:
+        raise UserError("--emit: ps_node_sum prices TensorFlow's distributed_replicated parameter servers; "
+                        "paraloom's workers each push their own gradients")
     if p.sequence_parallel:
         raise UserError("--emit: sequence parallelism is priced for other systems' runs (Megatron-LM); "
                         "paraloom's tensor parallelism does not split the sequence")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from paraloom.choices import (
     ALL_REDUCE_ALGORITHMS,
@@ -73,6 +73,9 @@ class Plan:
     # Megatron's sequence parallelism (Korthikanti et al. 2022): the activations a tp group keeps whole
     # split along the sequence; priced, not run by paraloom (the planner never offers it)
     sequence_parallel: bool = False
+    # a parameter server's workers sum their gradients inside each node first and the node pushes once
+    # (TensorFlow's variable_update=distributed_replicated); priced, not run by paraloom
+    ps_node_sum: bool = False
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -86,6 +89,10 @@ class Plan:
             check_name(f"plan {key}", getattr(self, key), names)
         if self.servers:
             check_parallel_layout(mode="ps", tp=self.tp, pp=self.pp, microbatches=self.microbatches)
+        if self.ps_node_sum not in (True, False) or (self.ps_node_sum and not (self.servers and
+                                                                               self.consistency == "bsp")):
+            raise UserError(f"plan ps_node_sum={self.ps_node_sum} must be true or false, and true only with "
+                            "servers and consistency bsp")
         if self.sequence_parallel not in (True, False) or (self.sequence_parallel and self.tp == 1):
             raise UserError(f"plan sequence_parallel={self.sequence_parallel} must be true or false, and "
                             "true only with tp > 1 (it splits what tensor parallelism keeps whole)")
@@ -103,7 +110,7 @@ class Plan:
             parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else "")
                          + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.servers:
-            parts.append(f"ps{self.servers} {self.consistency}")
+            parts.append(f"ps{self.servers} {self.consistency}" + " node-sum" * self.ps_node_sum)
         elif self.dp > 1:
             parts.append(self.scheduler if self.sync == "sync" else self.sync)
             if self.algorithm not in ("ring", "native"):
@@ -332,6 +339,16 @@ def _flag_guard(plan: Plan, opts: Options) -> bool:
     return not (plain and plan.compressor in ("none", *WIRE_DTYPE) and plan.tp == 1 and plan.pp == 1)
 
 
+def _ps_pushers(hw: Hardware, plan: Plan, grad_bytes: float) -> tuple[int, float]:
+    """(workers that push to the servers, seconds of summing inside a node first): every worker, or
+    with `ps_node_sum` one push a node after a ring all-reduce of its workers' gradients."""
+    if not plan.ps_node_sum:
+        return plan.dp, 0.0
+    per_node = max(1, min(plan.dp, hw.devices_per_node // (plan.tp * plan.pp)))
+    local = allreduce_time(grad_bytes, per_node, hw.intra, "ring") if per_node > 1 else 0.0
+    return -(-plan.dp // per_node), local
+
+
 def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
              fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float]:
     """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
@@ -341,9 +358,11 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     start, stop = stage
     if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
         push = compressed_bytes(grad_bytes, plan.compressor)
-        total = ps_time(grad_bytes, plan.dp, plan.servers, dp_link(hw, plan, p2p=True), push_bytes=push,
+        pushers, local = _ps_pushers(hw, plan, grad_bytes)
+        view = replace(plan, dp=pushers)
+        total = ps_time(grad_bytes, pushers, plan.servers, dp_link(hw, plan, p2p=True), push_bytes=push,
                         slices=ps_slices(grad_bytes, plan, opts))
-        total = max(total, server_cpu(hw, plan, opts, push, grad_bytes))  # a server's CPU is one too
+        total = local + max(total, server_cpu(hw, view, opts, push, grad_bytes))  # a server's CPU is one too
         exposed = max(0.0, total - sum(bwd[start:stop]))
         own = (push + grad_bytes) * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan))  # a worker's own CPU
         return unhidden_cpu(exposed, total, own), total
