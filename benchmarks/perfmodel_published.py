@@ -24,7 +24,8 @@ How a prediction becomes the published figure:
 `--fit a100.matmul` fits a device preset's efficiency for one op class to the `fit` cases run on
 that device (the value in 0.01 steps with the smallest median absolute error, then mean), and
 reports it with those cases' errors before and after; it never reads a held-out case. What a
-preset carries from such a fit says so beside the value.
+preset carries from such a fit says so beside the value. `--fit tensorflow-1.op_overhead_s` fits
+a constant of a framework in `FRAMEWORKS` to the fit cases that name it, the same way.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ PLAN_FIELDS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages", "
                "algorithm", "servers", "consistency", "sequence_parallel",
                "ps_node_sum")
 WITHIN = 0.15
+# What a framework's runs carry beyond the hardware, for the cases that name it (`framework:`), each value
+# fitted to that framework's fit cases (`--fit tensorflow-1.op_overhead_s`) and never to a held-out one:
+# - tensorflow-1: the seconds TensorFlow 1.x's executor adds per op it launches, which the GPU does not
+#   hide (the TensorFlow page's one-GPU runs at batch 32 and 64 put an intercept of 36 ms a step under
+#   ResNet-50 and 77 ms under ResNet-152, in proportion to their op counts).
+FRAMEWORKS: dict[str, dict[str, float]] = {"tensorflow-1": {"op_overhead_s": 60e-6}}
 
 
 def hardware(raw: dict[str, Any], case: str) -> Hardware:
@@ -87,7 +94,10 @@ def _profile(model: str, dtype: str, recompute: str, half_model: bool = False):
 def throughput(case: dict[str, Any], plan_raw: dict[str, Any], batch: int) -> tuple[float, Any]:
     """(samples a second, the estimate) of the case's model and hardware under `plan_raw`; a case's
     `layout` (megatron, zero1...) is the framework's: the model itself in its dtype, its memory layout."""
-    hw = hardware(case["hardware"], case["id"])
+    framework = FRAMEWORKS.get(case.get("framework", ""), {})
+    raw = dict(case["hardware"])
+    raw["constants"] = {**framework, **(raw.get("constants") or {})}
+    hw = hardware(raw, case["id"])
     layout = case.get("layout", "ddp")
     profile = _profile(case["model"], case.get("dtype", "fp32"), case.get("recompute", "none"),
                        layout != "ddp")
@@ -170,6 +180,12 @@ def device_of(case: dict[str, Any]) -> str | None:
     return device if isinstance(device, str) else device.get("preset") if isinstance(device, dict) else None
 
 
+def with_constant(case: dict[str, Any], name: str, value: float) -> dict[str, Any]:
+    """The case with its hardware's constant `name` set to `value` (over its framework's)."""
+    constants = {**(case["hardware"].get("constants") or {}), name: value}
+    return {**case, "hardware": {**case["hardware"], "constants": constants}}
+
+
 def with_efficiency(case: dict[str, Any], op_class: str, value: float) -> dict[str, Any]:
     """The case with its device's efficiency for `op_class` set to `value` (the rest inherited)."""
     device = case["hardware"]["device"]
@@ -186,17 +202,24 @@ def fit_efficiency(cases_file: Path, target: str) -> dict[str, Any]:
     """`--fit DEVICE.CLASS`: the efficiency of one op class of one device preset that fits its `fit`
     cases best (median absolute error, then mean, over a 0.01 grid in (0, 1])."""
     device, _, op_class = target.partition(".")
-    if op_class not in OP_CLASSES:
-        raise UserError(f"--fit {target!r}: write DEVICE.CLASS with a class in {', '.join(OP_CLASSES)}")
-    chosen = [c for c in yaml.safe_load(cases_file.read_text())["cases"]
-              if c["split"] == "fit" and device_of(c) == device]
+    cases = yaml.safe_load(cases_file.read_text())["cases"]
+    if device in FRAMEWORKS:  # a framework's constant: over its fit cases, 0 and 1-9 x 1e-6..1e-3
+        chosen = [c for c in cases if c["split"] == "fit" and c.get("framework") == device]
+        grid = [0.0] + [k * 10.0**e for e in range(-6, -2) for k in range(1, 10)]
+        variant = with_constant
+    else:
+        if op_class not in OP_CLASSES:
+            raise UserError(f"--fit {target!r}: write DEVICE.CLASS with a class in {', '.join(OP_CLASSES)}, "
+                            f"or FRAMEWORK.CONSTANT with a framework in {', '.join(FRAMEWORKS)}")
+        chosen = [c for c in cases if c["split"] == "fit" and device_of(c) == device]
+        grid, variant = [step / 100 for step in range(1, 101)], with_efficiency
     if not chosen:
-        raise UserError(f"--fit {target!r}: no fit case runs on device {device!r}")
+        raise UserError(f"--fit {target!r}: no fit case runs on {device!r}")
     scored = []
-    for step in range(1, 101):
-        errors = _errors([with_efficiency(c, op_class, step / 100) for c in chosen])
+    for value in grid:
+        errors = _errors([variant(c, op_class, value) for c in chosen])
         magnitudes = [abs(e) for e in errors]
-        scored.append((statistics.median(magnitudes), statistics.fmean(magnitudes), step / 100, errors))
+        scored.append((statistics.median(magnitudes), statistics.fmean(magnitudes), value, errors))
     median, _, value, errors = min(scored)
     before = _errors(chosen)
     return {"device": device, "op_class": op_class, "value": value, "cases": [c["id"] for c in chosen],
@@ -217,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             fits = [fit_efficiency(Path(args.cases), target) for target in args.fit]
             write_json(args.json, {"cases_file": args.cases, "fits": fits})
             for fit in fits:
-                print(f"{fit['device']}.{fit['op_class']} = {fit['value']:.2f}: median |error| over "
+                print(f"{fit['device']}.{fit['op_class']} = {fit['value']:.3g}: median |error| over "
                       f"{len(fit['cases'])} fit cases {fit['median_before']:.1%} -> "
                       f"{fit['median_after']:.1%}")
                 changes = zip(fit["cases"], fit["errors_before"], fit["errors_after"], strict=True)

@@ -305,6 +305,12 @@ def test_the_profile_tells_the_convolutions_winograd_takes():
     assert all(0.5 < s < 0.6 for s in share("alexnet"))
     assert all(0.3 < s < 0.45 for s in share("resnet50"))
     assert all(layer.fwd_winograd == 0 for layer in profile_model(GPT_SMALL).layers)
+    # and the 5x5 stride-1 ones apart: AlexNet's second convolution, about a third of its conv FLOPs;
+    # none in VGG-16
+    alexnet, vgg = profile_model("alexnet"), profile_model("vgg16")
+    five = sum(layer.fwd_winograd5 for layer in alexnet.layers)
+    assert 0.3 < five / sum(layer.fwd_flops["conv"] for layer in alexnet.layers) < 0.4
+    assert sum(layer.fwd_winograd5 + layer.bwd_winograd5 for layer in vgg.layers) == 0
 
 
 def test_selective_recompute_is_profiled_as_the_model_runs_it():

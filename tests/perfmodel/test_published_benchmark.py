@@ -76,3 +76,21 @@ def test_megatrons_own_layout_of_its_1t_run_fits_its_80_gb_gpus(tmp_path):
     run_script("perfmodel_published.py", "--json", str(out), "--only", "megatron-t1-1008.0B", timeout=120)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["fits"] and row["memory_gib"] < 80
+
+
+def test_fit_recovers_a_frameworks_constant_from_its_fit_cases(tmp_path):
+    """A TensorFlow case measured at what the model predicts with 100 us a kernel fits back to 1e-4."""
+    data = yaml.safe_load(CASES.read_text())
+    case = next(c for c in data["cases"] if c["id"] == "tf-dgx1-resnet50-1gpu")
+    assert case["framework"] == "tensorflow-1"
+    at = dict(case, hardware={**case["hardware"], "constants": {"op_overhead_s": 1e-4}})
+    path, out = tmp_path / "cases.yaml", tmp_path / "o.json"
+    path.write_text(yaml.safe_dump({**data, "cases": [at]}))
+    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), timeout=120)
+    predicted = json.loads(out.read_text())["rows"][0]["predicted"]
+    measured = dict(case, measured={**case["measured"], "value": predicted})
+    path.write_text(yaml.safe_dump({**data, "cases": [measured]}))
+    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), "--fit",
+               "tensorflow-1.op_overhead_s", timeout=120)
+    (fit,) = json.loads(out.read_text())["fits"]
+    assert fit["value"] == pytest.approx(1e-4) and fit["median_after"] < 1e-9

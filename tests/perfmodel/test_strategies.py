@@ -274,6 +274,28 @@ def test_winograd_divides_the_3x3_convolutions_flops_where_the_device_says_and_w
     assert estimate(vgg, measured, Plan(), 8).breakdown["compute"] == pytest.approx(without)
 
 
+def test_winograds_5x5_factor_is_the_same_tiles_and_a_frameworks_op_overhead_adds_per_kernel():
+    from dataclasses import replace
+
+    from paraloom.perfmodel.device_cost import layer_seconds, winograd_5x5
+
+    assert winograd_5x5(2.25) == pytest.approx(100 / 36)  # F(2x2, 3x3) -> F(2x2, 5x5)
+    assert winograd_5x5(4.0) == pytest.approx(400 / 64)  # F(4x4, 3x3) -> F(4x4, 5x5)
+    alexnet, p100 = profile_model("alexnet"), load_hardware("p100-ib-edr")
+    direct = replace(p100, device=replace(p100.device, winograd={}))
+    layer = next(layer for layer in alexnet.layers if layer.fwd_winograd5 > 0)
+    def seconds(hw, phase):
+        return layer_seconds(layer, hw, "fp32", phase, 64, 1)
+
+    saved = seconds(direct, "fwd") - seconds(p100, "fwd")
+    rate = p100.achieved_flops("fp32", "conv")
+    expected = 64 * (layer.fwd_winograd * (1 - 1 / 2.25) + layer.fwd_winograd5 * (1 - 36 / 100)) / rate
+    assert saved == pytest.approx(expected)
+    slow = replace(p100, constants={"op_overhead_s": 1e-4})
+    added = seconds(slow, "bwd") - seconds(p100, "bwd")
+    assert layer.bwd_kernels > 0 and added == pytest.approx(layer.bwd_kernels * 1e-4)
+
+
 def test_a_device_mapping_may_give_winograd_factors_and_refuses_ones_below_one():
     from paraloom.perfmodel.hardware import Hardware
 

@@ -15,14 +15,20 @@ LAUNCH = "launch_s"  # a GPU's seconds to issue one kernel (paraloom calibrate -
 # parameter tensor, as `<name>.<optimizer>`; where measured they replace UPDATE_BYTES at bandwidth
 UPDATE_PER_PARAM, UPDATE_PER_TENSOR = "update_s_per_param", "update_s_per_tensor"
 HOST = "host_s"  # the host's seconds to issue one op, as `host_s.<op class>.<fwd|bwd>` (calibrate --device)
+# seconds a framework's host adds per op launched that the device does not hide (an executor's per-op
+# work between kernels, as TensorFlow 1.x's showed: its intercept per step grows with the model's op
+# count); 0 unless a profile or a framework's fitted constants say (benchmarks/perfmodel_published.py)
+OP_OVERHEAD = "op_overhead_s"
 
 
 def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, tp: int,
                   sequence_parallel: bool = False) -> float:
     """Roofline per op class: FLOPs at the achieved rate or bytes at memory bandwidth, whichever is slower,
-    a 3x3 stride-1 convolution's FLOPs divided by the device's Winograd factor for the dtype;
+    a 3x3 stride-1 convolution's FLOPs divided by the device's Winograd factor for the dtype (a 5x5's
+    by the same tile's factor for 5x5: `winograd_5x5`);
     and no faster than the host issues the layer's ops where a GPU profile measured that (`host_s.*`
-    or `launch_s`, from `paraloom calibrate --device`): small layers wait on their host.
+    or `launch_s`, from `paraloom calibrate --device`): small layers wait on their host; plus a
+    framework's per-op overhead where the profile has one (`op_overhead_s`).
 
     Megatron tensor parallelism splits the matmul, attention (and convolution) work of a layer
     tp ways; elementwise work on the replicated activations ("other") is not split, unless sequence
@@ -31,16 +37,28 @@ def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, t
     flops = layer.fwd_flops if phase == "fwd" else layer.bwd_flops
     moved = layer.fwd_mem_bytes if phase == "fwd" else layer.bwd_mem_bytes
     gain = hw.device.winograd.get(dtype, 1.0)
-    winograd = layer.fwd_winograd if phase == "fwd" else layer.bwd_winograd
-    if winograd and gain > 1 and f"flops.{dtype}.conv" not in hw.constants:  # a measured rate is cuDNN's
-        flops = {**flops, "conv": flops.get("conv", 0.0) - winograd + winograd / gain}
+    three, five = ((layer.fwd_winograd, layer.fwd_winograd5) if phase == "fwd" else
+                   (layer.bwd_winograd, layer.bwd_winograd5))
+    if (three or five) and gain > 1 and f"flops.{dtype}.conv" not in hw.constants:  # measured: cuDNN's own
+        conv = flops.get("conv", 0.0) - three - five + three / gain + five / winograd_5x5(gain)
+        flops = {**flops, "conv": conv}
     total = 0.0
     for op_class in set(flops) | set(moved):
         share = 1.0 if op_class == "other" and not sequence_parallel else 1.0 / tp
         compute = flops.get(op_class, 0.0) * samples * share / hw.achieved_flops(dtype, op_class)
         memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
         total += max(compute, memory)
-    return max(total, _issue_seconds(layer, hw, phase))
+    kernels = layer.fwd_kernels if phase == "fwd" else layer.bwd_kernels
+    return max(total, _issue_seconds(layer, hw, phase)) + kernels * hw.constants.get(OP_OVERHEAD, 0.0)
+
+
+def winograd_5x5(gain: float) -> float:
+    """The multiply saving of Winograd's F(m x m, 5 x 5) for the output tile m whose F(m x m, 3 x 3)
+    saves `gain`: F(m, r) needs (m + r - 1)^2 multiplies where direct convolution needs m^2 r^2 (Lavin
+    and Gray 2016), so sqrt(gain) = 3 m / (m + 2); F(2x2, 3x3)'s 2.25 gives F(2x2, 5x5)'s 100/36."""
+    root = gain ** 0.5
+    m = 2 * root / (3 - root)
+    return (5 * m / (m + 4)) ** 2
 
 
 def _issue_seconds(layer, hw: Hardware, phase: str) -> float:

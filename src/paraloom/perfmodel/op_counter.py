@@ -42,6 +42,7 @@ class OpCounter(TorchDispatchMode):
         self.kernels = 0  # ops that do work: on a GPU, a kernel launch each
         self.ops = dict.fromkeys(OP_CLASSES, 0)  # the same, by op class
         self.winograd = 0.0  # conv FLOPs of 3x3 stride-1 convolutions (device.winograd may divide them)
+        self.winograd5 = 0.0  # and of 5x5 ones (the same Winograd tile, another factor: device_cost)
         self.live = live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -58,8 +59,11 @@ class OpCounter(TorchDispatchMode):
         if cls != "other":
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
             self.flops[cls] += flops
-            if cls == "conv" and _winograd_shaped(packet, args):
+            size = _winograd_size(packet, args) if cls == "conv" else None
+            if size == 3:
                 self.winograd += flops
+            elif size == 5:
+                self.winograd5 += flops
         elif packet not in _COPIES:
             self.flops[cls] += sum(t.numel() for t in outs if t.is_floating_point())
         self.mem[cls] += sum(nbytes(t) for t in ins + outs)
@@ -68,16 +72,18 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def _winograd_shaped(packet: object, args: tuple) -> bool:
-    """A plain 3x3 stride-1 convolution (not transposed, not grouped): what Winograd's algorithm takes."""
+def _winograd_size(packet: object, args: tuple) -> int | None:
+    """3 or 5 for a plain 3x3 or 5x5 stride-1 convolution (not transposed, not grouped): what
+    Winograd's algorithm takes (cuDNN 5.1 onwards runs both, forward and backward); else None."""
     if packet is _ATEN.convolution:
         weight, stride, dilation, transposed, groups = args[1], args[3], args[5], args[6], args[8]
     elif packet is _ATEN.convolution_backward:
         weight, stride, dilation, transposed, groups = args[2], args[4], args[6], args[7], args[9]
     else:
-        return False
+        return None
     plain = all(s == 1 for s in stride) and all(d == 1 for d in dilation) and not transposed and groups == 1
-    return tuple(weight.shape[2:]) == (3, 3) and plain
+    shape = tuple(weight.shape[2:])
+    return shape[0] if plain and shape in ((3, 3), (5, 5)) else None
 
 
 class Live:

@@ -49,6 +49,8 @@ class LayerProfile:
     # checkpointed part (selective recomputation) keeps to recompute from (activation_bytes misses those)
     fwd_winograd: float = 0.0  # the part of fwd_flops["conv"] in 3x3 stride-1 convolutions
     bwd_winograd: float = 0.0
+    fwd_winograd5: float = 0.0  # and in 5x5 stride-1 convolutions
+    bwd_winograd5: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,7 @@ def _measure(layer: nn.Module, x: torch.Tensor, shared: set[int], low: torch.dty
               "output_saved_bytes": sum(saved.get(k, 0) for k in out_keys if k != in_key),
               "fwd_kernels": fwd.kernels, "bwd_kernels": bwd.kernels, "fwd_ops": fwd.ops, "bwd_ops": bwd.ops,
               "fwd_winograd": fwd.winograd, "bwd_winograd": bwd.winograd,
+              "fwd_winograd5": fwd.winograd5, "bwd_winograd5": bwd.winograd5,
               "work_bytes": max(0, live.peak - sum(saved.values())), "held_bytes": held}
     single = out if isinstance(out, torch.Tensor) else None
     return counts, single.detach().requires_grad_(single.requires_grad) if single is not None else out
