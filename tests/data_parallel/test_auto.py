@@ -31,15 +31,20 @@ def _train(rank, world, scheduler, nan_at=None):
     engine.finish()
     chosen = engine.auto.chosen if engine.auto is not None else None
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    pre_hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
     engine.close()
-    return state, chosen, stepped
+    return state, chosen, stepped, pre_hooks
 
 
 def test_auto_trains_exactly_as_a_fixed_scheduler_and_every_rank_keeps_the_same_one():
     auto = run_workers(_train, 2, "auto", timeout=120)
     fixed = run_workers(_train, 2, "wait_free", timeout=120)
-    (state, chosen, _), (other_state, other_chosen, _) = auto
+    (state, chosen, _, pre_hooks), (other_state, other_chosen, _, _) = auto
     assert chosen == other_chosen and chosen["scheduler"] in CANDIDATES
+    # the priority trials' forward pre-hooks leave with them: one priority updater's at most
+    holding = sum(1 for m in MLP((1, 8, 8), 10, hidden=64, depth=3).modules()
+                  if any(True for _ in m.parameters(recurse=False))) + 1  # and the model itself
+    assert pre_hooks == (holding if chosen["scheduler"] == "priority" else 0)
     assert set(chosen["seconds"]) == set(CANDIDATES) and chosen["scheduler"] == min(
         chosen["seconds"], key=chosen["seconds"].get)
     for key, value in fixed[0][0].items():
@@ -50,7 +55,7 @@ def test_auto_trains_exactly_as_a_fixed_scheduler_and_every_rank_keeps_the_same_
 @pytest.mark.parametrize("nan_at", [10, STEPS - 2], ids=["during the trials", "after the choice"])
 def test_the_non_finite_guard_holds_through_every_switch(nan_at):
     results = run_workers(_train, 2, "auto", nan_at, timeout=120)
-    for _, _, stepped in results:
+    for _, _, stepped, _ in results:
         assert [i + 1 for i, ok in enumerate(stepped) if not ok] == [nan_at]
 
 

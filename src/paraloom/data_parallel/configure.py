@@ -53,11 +53,11 @@ def configure(engine, scheduler: str) -> None:
         for slot, p in enumerate(bucket.params):
             engine._slot[p] = (bucket, slot)
             bucket.bind(slot)
-    keys = ("sync", "shard_optimizer", "local_steps", "local_warmup", "credit_mb", "delay_lr")
-    engine.updater = make_updater(engine, scheduler=scheduler, **{k: o[k] for k in keys})
-    for hook in engine._updater_hooks:
+    for hook in engine._updater_hooks:  # the last updater's, a priority updater's forward pre-hooks too
         hook.remove()
     engine._updater_hooks = []
+    keys = ("sync", "shard_optimizer", "local_steps", "local_warmup", "credit_mb", "delay_lr")
+    engine.updater = make_updater(engine, scheduler=scheduler, **{k: o[k] for k in keys})
     if not engine.updater.plain_optimizer_step:
         engine._updater_hooks.append(register_optimizer_step_pre_hook(engine._refuse_plain_step))
     if engine.updater.lands_on_read:  # deferred updates land before anyone reads the state dict

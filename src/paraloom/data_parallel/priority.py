@@ -43,7 +43,8 @@ class PriorityUpdater(SyncUpdater):
         # its parameters applied with the first enclosing module that does run
         self.ran: set[nn.Module] = set()
         for module in self.modules:
-            engine.hooks.append(module.register_forward_pre_hook(self._before_forward))
+            # removed with the updater when comm.scheduler=auto moves on (configure), or at close
+            engine._updater_hooks.append(module.register_forward_pre_hook(self._before_forward))
 
     @torch.compiler.disable  # waits and optimizer steps: eager, also inside a compiled module
     def _before_forward(self, module: nn.Module, _args) -> None:
