@@ -51,20 +51,28 @@ def test_a_bad_case_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2 and "plan fields ['warp'] are not known" in done.stderr
 
 
-def test_fit_recovers_the_efficiency_a_case_was_measured_at(tmp_path):
-    """A fit case measured at exactly what the model predicts with conv at 0.3 fits back to 0.3."""
+def _fit_back(tmp_path, case_id: str, hardware_at: dict, target: str) -> dict:
+    """Predict the case on `hardware_at`, call that its measurement, then `--fit target` on the case as
+    committed: the fit `--fit` reports."""
     data = yaml.safe_load(CASES.read_text())
-    case = next(c for c in data["cases"] if c["id"] == "tf-aws-resnet50-1gpu")
-    at = dict(case, hardware={**case["hardware"], "device": {"preset": "k80", "efficiency": {"conv": 0.3}}})
+    case = next(c for c in data["cases"] if c["id"] == case_id)
     path, out = tmp_path / "cases.yaml", tmp_path / "o.json"
+    at = dict(case, hardware={**case["hardware"], **hardware_at})
     path.write_text(yaml.safe_dump({**data, "cases": [at]}))
     run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), timeout=120)
     predicted = json.loads(out.read_text())["rows"][0]["predicted"]
     measured = dict(case, measured={**case["measured"], "value": predicted})
     path.write_text(yaml.safe_dump({**data, "cases": [measured]}))
-    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), "--fit", "k80.conv",
+    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), "--fit", target,
                timeout=120)
     (fit,) = json.loads(out.read_text())["fits"]
+    return fit
+
+
+def test_fit_recovers_the_efficiency_a_case_was_measured_at(tmp_path):
+    """A fit case measured at exactly what the model predicts with conv at 0.3 fits back to 0.3."""
+    k80_at = {"device": {"preset": "k80", "efficiency": {"conv": 0.3}}}
+    fit = _fit_back(tmp_path, "tf-aws-resnet50-1gpu", k80_at, "k80.conv")
     assert (fit["device"], fit["op_class"], fit["value"]) == ("k80", "conv", 0.3)
     assert fit["median_after"] < 1e-9 < fit["median_before"] and fit["cases"] == ["tf-aws-resnet50-1gpu"]
 
@@ -80,17 +88,7 @@ def test_megatrons_own_layout_of_its_1t_run_fits_its_80_gb_gpus(tmp_path):
 
 def test_fit_recovers_a_frameworks_constant_from_its_fit_cases(tmp_path):
     """A TensorFlow case measured at what the model predicts with 100 us a kernel fits back to 1e-4."""
-    data = yaml.safe_load(CASES.read_text())
-    case = next(c for c in data["cases"] if c["id"] == "tf-dgx1-resnet50-1gpu")
-    assert case["framework"] == "tensorflow-1"
-    at = dict(case, hardware={**case["hardware"], "constants": {"op_overhead_s": 1e-4}})
-    path, out = tmp_path / "cases.yaml", tmp_path / "o.json"
-    path.write_text(yaml.safe_dump({**data, "cases": [at]}))
-    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), timeout=120)
-    predicted = json.loads(out.read_text())["rows"][0]["predicted"]
-    measured = dict(case, measured={**case["measured"], "value": predicted})
-    path.write_text(yaml.safe_dump({**data, "cases": [measured]}))
-    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), "--fit",
-               "tensorflow-1.op_overhead_s", timeout=120)
-    (fit,) = json.loads(out.read_text())["fits"]
+    fit = _fit_back(tmp_path, "tf-dgx1-resnet50-1gpu", {"constants": {"op_overhead_s": 1e-4}},
+                    "tensorflow-1.op_overhead_s")
+    assert fit["cases"] == ["tf-dgx1-resnet50-1gpu"]  # it runs on TensorFlow: framework: tensorflow-1
     assert fit["value"] == pytest.approx(1e-4) and fit["median_after"] < 1e-9
