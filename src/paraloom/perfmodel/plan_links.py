@@ -38,13 +38,18 @@ def _measured_group(hw: Hardware, link: Link, plan: Plan) -> Link:
     return Link(link.name, bandwidth, latency)
 
 
+def dp_per_node(hw: Hardware, plan: Plan) -> int:
+    """A data-parallel group's ranks on one node: its ranks are tp apart, nodes hold devices_per_node."""
+    return max(1, min(plan.dp, hw.devices_per_node // plan.tp))
+
+
 def dp_group(hw: Hardware, plan: Plan) -> tuple[int, Link, float] | None:
     """(the group's ranks on a node, the inter-node link as the group's all-reduce measured it, the
     node's adapters over the data-parallel groups it holds), or None for a group inside one node."""
     link = group_link(plan.dp, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
     if link is not hw.inter:
         return None
-    per_node = max(1, min(plan.dp, hw.devices_per_node // plan.tp))
+    per_node = dp_per_node(hw, plan)
     nics = hw.nics_per_node / min(hw.devices_per_node, plan.tp * plan.pp)
     return per_node, _measured_group(hw, link, plan), nics
 

@@ -43,7 +43,7 @@ from paraloom.perfmodel.network import (
     p2p_time,
     ps_time,
 )
-from paraloom.perfmodel.plan_links import dp_group, dp_link, stream
+from paraloom.perfmodel.plan_links import dp_group, dp_link, dp_per_node, stream
 from paraloom.perfmodel.profile import ModelProfile
 from paraloom.perfmodel.queueing import asp_cycle
 from paraloom.perfmodel.storage import READ_BANDWIDTH, read_seconds
@@ -344,7 +344,7 @@ def _ps_pushers(hw: Hardware, plan: Plan, grad_bytes: float) -> tuple[int, float
     with `ps_node_sum` one push a node after a ring all-reduce of its workers' gradients."""
     if not plan.ps_node_sum:
         return plan.dp, 0.0
-    per_node = max(1, min(plan.dp, hw.devices_per_node // (plan.tp * plan.pp)))
+    per_node = dp_per_node(hw, plan)
     local = allreduce_time(grad_bytes, per_node, hw.intra, "ring") if per_node > 1 else 0.0
     return -(-plan.dp // per_node), local
 
