@@ -94,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of {', '.join(known)} (wait_free always runs)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant in turn (median)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps of a variant per round (their mean is the round's figure; more "
+                        "steps, steadier rounds where long steps come in bursts)")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     variants = tuple(dict.fromkeys(["wait_free", *args.variants.split(",")]))
     unknown = set(variants) - set(known)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(known)}")
-    size = {**MODEL, "rounds": args.rounds, "variants": variants}
+    size = {**MODEL, "rounds": args.rounds, "steps": args.steps, "variants": variants}
     if args.quick:
         size = {"hidden": 128, "depth": 2, "steps": 3, "warmup": 2, "rounds": 1, "variants": variants}
     cases = {"balanced_2": balanced_case(size, args.trace, max_probes=1 if args.quick else 3)}

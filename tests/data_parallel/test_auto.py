@@ -7,7 +7,7 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.data_parallel import DataParallel
-from paraloom.data_parallel.auto import CANDIDATES, TRIAL_STEPS, trial_steps
+from paraloom.data_parallel.auto import CANDIDATES, MARGIN, TRIAL_STEPS, fastest, trial_steps
 from paraloom.errors import UserError
 from paraloom.models import MLP
 
@@ -45,11 +45,22 @@ def test_auto_trains_exactly_as_a_fixed_scheduler_and_every_rank_keeps_the_same_
     holding = sum(1 for m in MLP((1, 8, 8), 10, hidden=64, depth=3).modules()
                   if any(True for _ in m.parameters(recurse=False))) + 1  # and the model itself
     assert pre_hooks == (holding if chosen["scheduler"] == "priority" else 0)
-    assert set(chosen["seconds"]) == set(CANDIDATES) and chosen["scheduler"] == min(
-        chosen["seconds"], key=chosen["seconds"].get)
+    assert list(chosen["seconds"]) == list(CANDIDATES) and chosen["scheduler"] == fastest(chosen["seconds"])
     for key, value in fixed[0][0].items():
         torch.testing.assert_close(state[key], value)
         torch.testing.assert_close(other_state[key], value)
+
+
+@pytest.mark.parametrize(("seconds", "kept"), [
+    ({"wait_free": 1.0, "fifo": 0.99, "priority": 1.2}, "wait_free"),  # 1% faster: a tie, the default stays
+    ({"wait_free": 1.0, "fifo": 0.97, "priority": 0.9}, "priority"),  # the fastest, by more than the margin
+    ({"wait_free": 1.0, "fifo": 0.97, "priority": 1.1}, "fifo"),
+    ({"wait_free": 0.8, "fifo": 0.9, "priority": 1.0}, "wait_free"),  # the default is the fastest
+    ({25.0: 2.0, 1.0: 2.0 * (1 - MARGIN)}, 25.0),  # exactly the margin is not enough
+    ({25.0: 2.0}, 25.0),
+])
+def test_a_candidate_replaces_the_default_only_when_faster_by_more_than_the_margin(seconds, kept):
+    assert fastest(seconds) == kept
 
 
 @pytest.mark.parametrize("nan_at", [10, STEPS - 2], ids=["during the trials", "after the choice"])
@@ -98,8 +109,8 @@ def test_bucket_mb_auto_tries_the_sizes_that_group_the_model_apart_and_trains_ex
     if chosen["scheduler"] == "priority":  # priority cuts partitions: no bucket size to choose
         assert chosen["bucket_mb"] is None and chosen["bucket_seconds"] == {}
     else:
-        assert set(chosen["bucket_seconds"]) == {1.0, 25.0} and chosen["bucket_mb"] == min(
-            chosen["bucket_seconds"], key=chosen["bucket_seconds"].get)
+        assert list(chosen["bucket_seconds"]) == [25.0, 1.0]  # the size given first
+        assert chosen["bucket_mb"] == fastest(chosen["bucket_seconds"])
     for key, value in fixed[0][0].items():
         torch.testing.assert_close(state[key], value)
     assert "comm.bucket_mb=auto" in capfd.readouterr().err
