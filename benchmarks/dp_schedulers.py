@@ -25,7 +25,7 @@ from clusters import emulated
 from common import make_table, write_json
 from rich.console import Console
 
-from paraloom.bench.dp_schedulers import DROP_IN, OPT_IN, VARIANTS, run
+from paraloom.bench.dp_schedulers import DROP_IN, OPT_IN, SWITCHABLE, VARIANTS, run
 from paraloom.cluster.spec import format_rate
 
 MODEL = {"hidden": 1024, "depth": 9}
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", metavar="DIR", help="write Chrome traces of paraloom's variants here")
     known = VARIANTS + DROP_IN + OPT_IN
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, of {', '.join(known)} (wait_free always runs)")
+                        help=f"comma-separated, of {', '.join(known)} (wait_free always runs), or A>B with "
+                        f"A, B of {', '.join(SWITCHABLE)}: built as A, switched to B as auto switches, timed")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant in turn (median)")
     parser.add_argument("--steps", type=int, default=10,
                         help="timed steps of a variant per round (their mean is the round's figure; more "
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     variants = tuple(dict.fromkeys(["wait_free", *args.variants.split(",")]))
-    unknown = set(variants) - set(known)
+    switched = {f"{a}>{b}" for a in SWITCHABLE for b in SWITCHABLE}  # built as A, timed after a switch to B
+    unknown = set(variants) - set(known) - switched
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(known)}")
     size = {**MODEL, "rounds": args.rounds, "steps": args.steps, "variants": variants}

@@ -16,6 +16,10 @@ VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_ste
 # (zero_grad(); backward(); optimizer.step(), priority's optimizer a DistributedOptimizer)
 DROP_IN = ("drop_in", "priority_drop_in")
 OPT_IN = ("auto_bucket",)  # run when asked for (--variants): up to 40 more trial steps a round than auto
+# also on request, "A>B" (A, B of SWITCHABLE): the engine built for A runs as many steps as auto's
+# trials, then is switched to B as auto switches (finish, configure) and timed under B: whether a
+# scheduler reached by switching runs as fast as the same one built fresh
+SWITCHABLE = ("fifo", "wait_free", "priority")
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
                  "priority": {"scheduler": "priority"}, "auto": {"scheduler": "auto"},
                  "auto_bucket": {"scheduler": "auto", "bucket_mb": "auto"},  # comm.bucket_mb=auto too
@@ -37,6 +41,8 @@ def _variant(options: dict[str, Any], variant: str, rank: int, traced: bool):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paraloom.data_parallel import DataParallel, DistributedOptimizer
+    from paraloom.data_parallel.auto import TRIAL_STEPS
+    from paraloom.data_parallel.configure import configure
 
     torch.manual_seed(0)
     model = _model(options["hidden"], options["depth"])
@@ -50,14 +56,21 @@ def _variant(options: dict[str, Any], variant: str, rank: int, traced: bool):
     if variant.startswith("ddp"):
         engine = DDP(model, bucket_cap_mb=options["bucket_mb"], gradient_as_bucket_view=variant == "ddp_view")
     else:
-        kwargs = {"bucket_mb": options["bucket_mb"], **ENGINE_KWARGS[variant],
+        kwargs = {"bucket_mb": options["bucket_mb"], **ENGINE_KWARGS[variant.partition(">")[0]],
                   **options.get("engine_options", {}).get(variant, {})}
         engine = DataParallel(model, timeline=timeline, **kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if variant == "priority_drop_in":
         optimizer = DistributedOptimizer(optimizer, engine)
 
+    then = variant.partition(">")[2]
+    until_switch = [TRIAL_STEPS if then else -1]  # steps left under A, for "A>B"
+
     def step(x, y):
+        if until_switch[0] == 0:
+            engine.finish()
+            configure(engine, then)
+        until_switch[0] -= 1
         if variant in DROP_IN or variant.startswith("ddp"):  # torch's loop
             optimizer.zero_grad(set_to_none=variant in DROP_IN)
             F.cross_entropy(engine(x), y).backward()
@@ -138,7 +151,7 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
             traced = bool(options.get("trace_dir")) and round_index == options["rounds"] - 1
             step, engine, timeline, trace_path = _variant(options, variant, rank, traced)
             finish = None if variant.startswith("ddp") else engine.finish
-            warmup = options["warmup"] + trials.get(variant, 0)
+            warmup = options["warmup"] + trials.get(variant, TRIAL_STEPS if ">" in variant else 0)
             samples.setdefault(variant, []).append(timed(step, finish, timeline, trace_path, warmup))
             if variant in trials:  # which one it settled on, round by round
                 chosen = engine.auto.chosen
