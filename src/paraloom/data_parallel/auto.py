@@ -11,9 +11,10 @@ untimed and `STEPS` timed steps of wait_free, fifo and priority in turn, `ROUNDS
 rank's (one small all-reduce), and the fastest kept for the rest of the run -- unless it beats the
 phase's first candidate (the default: wait_free, or the bucket size given) by no more than
 `MARGIN`: where the candidates tie, a few timed steps differ by more than that from noise alone
-(on 4 emulated 1 Gbit/s nodes, wait_free's trials measured 519-552 ms from run to run, fifo's up
-to 4% on either side of them), so leaving the default takes a clear gain. With
-comm.bucket_mb=auto, the bucket size is tried next the same way, under the scheduler kept
+(on 4 emulated 1 Gbit/s nodes, wait_free's trials measured 519-552 ms from run to run and fifo's
+4% below to 8% above wait_free's of the same run, where 50 steps of each, fresh, put them within
+1%), so leaving the default takes a clear gain. With comm.bucket_mb=auto, the bucket size is
+tried next the same way, under the scheduler kept
 (unless it is priority, which cuts partitions of comm.partition_mb instead): the first phase's
 25 MB against the sizes of `BUCKET_SIZES` that group this model's gradients differently. Every
 rank switches at the same step. The steps are the caller's own training steps, exact synchronous
