@@ -21,7 +21,10 @@ the GPT below; the peers run the same model, batch and optimizer under torchrun
       unigram baseline of the same split.
   (e) interleaving: p = 2, m = 8 on BUBBLE_GPT (stages balanced by profiled time), 1f1b against
       interleaved_1f1b with v = 2, `--repeats` runs each alternated, `BUBBLE_STEPS` steps a run; the
-      bottleneck stage's bubble (median over runs) against (p-1)/(m+p-1) and (p-1)/(v m+p-1).
+      bottleneck stage's bubble (median over runs) against (p-1)/(m+p-1) and (p-1)/(v m+p-1), in
+      all and split: the fill and drain (its idle where the ideal schedule has idle,
+      `schedules.idle_before`) and its steady-state waits (where the ideal has none: the stages'
+      uneven compute from one micro-batch to the next, and the runtime's own work).
 A step time is the median over a run's steps (the first two excluded) of the slowest rank.
 """
 
@@ -168,6 +171,9 @@ def pipeline_versus_torch(out: Path, gpt: dict[str, int], steps: int, m: int, re
                 "bubble_rel_error": abs(big["bubble_bottleneck"] - theory) / theory,
                 "bubble_mean_over_stages": big["bubble"],
                 "bubble_mean_rel_error": abs(big["bubble"] - theory) / theory,
+                "bubble_fill_drain": big["bubble_fill_drain"],
+                "bubble_fill_drain_rel_error": abs(big["bubble_fill_drain"] - theory) / theory,
+                "steady_wait": big["steady_wait_bottleneck"],
                 "bubble_per_rank": big["bubble_per_rank"], "step_seconds": big["step_seconds"]}
     return result
 
@@ -181,14 +187,21 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
             summary = paraloom(out, f"e_{schedule}_{i}", 2, gpt, steps, "parallel.pp=2",
                                f"parallel.microbatches={m}", f"parallel.schedule={schedule}",
                                "parallel.balance=time", *chunks)
-            kept = ("bubble_bottleneck", "bubble", "bubble_theory", "step_seconds", "partition")
+            kept = ("bubble_bottleneck", "bubble_fill_drain", "steady_wait_bottleneck", "bubble",
+                    "bubble_theory", "step_seconds", "partition")
             runs[schedule].append({key: summary[key] for key in kept})
     result: dict[str, Any] = {"gpt": gpt, "p": 2, "m": m, "v": v, "steps": steps}
     for schedule, rows in runs.items():
         measured = statistics.median(r["bubble_bottleneck"] for r in rows)
+        fill_drain = statistics.median(r["bubble_fill_drain"] for r in rows)
         theory = rows[0]["bubble_theory"]
+        # the bottleneck stage's idle share in all, and split: the fill and drain the theory describes,
+        # and its waits where the ideal schedule has none (neighbours' uneven compute)
         result[schedule] = {"bubble_measured": measured, "bubble_theory": theory,
                             "bubble_rel_error": abs(measured - theory) / theory,
+                            "bubble_fill_drain": fill_drain,
+                            "bubble_fill_drain_rel_error": abs(fill_drain - theory) / theory,
+                            "steady_wait": statistics.median(r["steady_wait_bottleneck"] for r in rows),
                             "step_seconds": statistics.median(r["step_seconds"] for r in rows), "runs": rows}
     result["step_ratio_interleaved_over_1f1b"] = (result["interleaved_1f1b"]["step_seconds"]
                                                   / result["1f1b"]["step_seconds"])
@@ -238,6 +251,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if inter:
         summary["bubble_rel_error_1f1b_p2_m8"] = inter["1f1b"]["bubble_rel_error"]
         summary["bubble_rel_error_interleaved_p2_m8_v2"] = inter["interleaved_1f1b"]["bubble_rel_error"]
+        summary["fill_drain_rel_error_1f1b_p2_m8"] = inter["1f1b"]["bubble_fill_drain_rel_error"]
+        summary["fill_drain_rel_error_interleaved_p2_m8_v2"] = (
+            inter["interleaved_1f1b"]["bubble_fill_drain_rel_error"])
         summary["step_ratio_interleaved_over_1f1b"] = inter["step_ratio_interleaved_over_1f1b"]
     learn = report.get("learning")
     if learn:

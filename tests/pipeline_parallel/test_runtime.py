@@ -1,5 +1,7 @@
 """PipelineStage equals one process training the whole GPT on the whole batch, for any schedule."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from paraloom.pipeline_parallel import (
     split_microbatches,
     stage_module,
 )
+from paraloom.pipeline_parallel.stages import bubbles
 from paraloom.topology import Topology
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 256
@@ -293,3 +296,52 @@ def test_interleaved_equals_one_process(world, m, v, static_shapes, dp):
         torch.testing.assert_close([q for u in sorted(chunks) for q in chunks[u]], ref_params)
     logits = [out for *_, out in results if out is not None]
     assert len(logits) == dp and logits[0].shape == (BATCH // dp, SEQ, VOCAB)
+
+
+class Uneven(torch.nn.Module):
+    """A stage module whose forward of every other micro-batch takes `delay` seconds longer."""
+
+    def __init__(self, module, delay):
+        super().__init__()
+        self.module, self.delay, self.calls = module, delay, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            time.sleep(self.delay)
+        return self.module(x)
+
+
+def _uneven(rank, world, delay):
+    torch.set_num_threads(1)
+    gpt = make_gpt()
+    module = stage_module(gpt, balance_by_params(gpt, world), rank)
+    stage = PipelineStage(Uneven(module, delay) if rank == 1 else module, loss_fn=lm_loss)
+    x, y = data()
+    stats = []
+    for t in range(3):
+        inputs = split_microbatches(x[t], 4) if stage.is_first else None
+        targets = split_microbatches(y[t], 4) if stage.is_last else None
+        stats.append(stage.step("1f1b", inputs, targets, n_microbatches=4)[1])
+    listed = stage.step(stage.actions("1f1b", 4), inputs, targets)[1]  # a list: no named schedule
+    return stats, listed
+
+
+def test_steady_state_waits_are_told_apart_from_fill_and_drain():
+    """Stage 1 forwards micro-batches 1 and 3 0.1 s late: stage 0 waits for B1's gradient where 1F1B
+    has no idle (steady state); its fill and drain waits (B0, B3) are counted apart."""
+    (stage0, listed), (stage1, _) = run_workers(_uneven, 2, 0.1)
+    for s in stage0:
+        assert 0.08 <= s.steady_wait_seconds <= s.step_seconds - s.busy_seconds
+    assert all(s.steady_wait_seconds < 0.08 for s in stage1)  # stage 1 never waits on stage 0's jitter
+    assert listed.steady_wait_seconds == 0.0  # its own action list: every wait counts as fill and drain
+
+
+def test_bubbles_split_the_bottleneck_stage():
+    # rows: step, busy, schedule, steady-state wait; stage 1 computes most
+    per_rank = torch.tensor([[1.0, 0.6, 1.0, 0.1], [1.0, 0.8, 0.9, 0.05]])
+    figures = bubbles(per_rank, pp=2, m=8)
+    assert figures["bubble_bottleneck"] == pytest.approx(0.2)
+    assert figures["steady_wait_bottleneck"] == pytest.approx(0.05)
+    assert figures["bubble_fill_drain"] == pytest.approx(0.15)
+    assert bubbles(per_rank[:, :3], pp=2, m=8)["bubble_fill_drain"] == pytest.approx(0.2)

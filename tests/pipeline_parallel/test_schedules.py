@@ -10,6 +10,7 @@ from paraloom.pipeline_parallel.schedules import (
     ScheduleGPipe,
     bubble_fraction,
     format_grid,
+    idle_before,
     idle_fraction,
     make_schedule,
     simulate,
@@ -151,3 +152,25 @@ def test_interleaved_order_and_notation():
         make_schedule("1f1b", 2, 4, 2)
     with pytest.raises(UserError, match="misses B of micro-batch.*1.1"):
         validate([[a for a in stage0 if a != Action("B", 1, 1)]], 4)
+
+
+def marked(schedule, idle):
+    return [" ".join(str(a) for a, i in zip(actions, row, strict=True) if i) for actions, row in zip(schedule, idle,
+                                                                                                 strict=True)]
+
+
+def test_idle_before_marks_the_fill_and_drain():
+    """Only the waits the ideal run has: stage 0 for its first gradient and (1F1B) its last, stage 1 for
+    its first activation."""
+    assert marked(make_schedule("1f1b", 2, 4), idle_before(make_schedule("1f1b", 2, 4))) == ["B0 B3", "F0"]
+    assert marked(make_schedule("gpipe", 2, 4), idle_before(make_schedule("gpipe", 2, 4))) == ["B0", "F0"]
+    interleaved = make_schedule("interleaved_1f1b", 2, 8, 2)
+    assert marked(interleaved, idle_before(interleaved, 0.5, 1.0)) == ["B0.1 B6.1 B7.1", "F0"]
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 8, 1),
+                                                   ("interleaved_1f1b", 2, 8, 2)])
+def test_idle_before_is_the_same_for_any_backward_to_forward_ratio(name, p, m, v):
+    """(Interleaved at p = 4 moves a few positions with the ratio: the runtime assumes 2.)"""
+    schedule = make_schedule(name, p, m, v)
+    assert all(idle_before(schedule, 1.0, ratio) == idle_before(schedule) for ratio in (1.5, 2.5, 3.0))

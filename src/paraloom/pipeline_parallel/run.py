@@ -54,6 +54,10 @@ class StepStats:
     busy_seconds: float  # forward and backward compute, waits excluded
     peak_activation_bytes: int  # most bytes held for backward at once (saved tensors, inputs, outputs)
     n_microbatches: int
+    # time between actions where the ideal schedule has none (`schedules.idle_before`): waits for a
+    # neighbour's uneven compute and the runtime's own work, apart from the fill and drain (0 when
+    # the stage ran a list of actions rather than a named schedule)
+    steady_wait_seconds: float = 0.0
 
     @property
     def bubble(self) -> float:
@@ -88,8 +92,9 @@ class StepRun:
     """The state of one step on one stage: posted receives, pending sends, what an F keeps for its B."""
 
     def __init__(self, stage: PipelineStage, actions: list[Action], inputs, targets, weights,
-                 no_sync) -> None:
+                 no_sync, fill_drain: list[bool] | None = None) -> None:
         self.s, self.actions = stage, actions
+        self.fill_drain = fill_drain  # per action: whether the ideal schedule idles before it
         self.inputs, self.targets, self.weights = inputs, targets, weights
         self.no_sync = no_sync
         self.last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
@@ -98,7 +103,8 @@ class StepRun:
         # (micro-batch, chunk) -> (input, output|loss, bytes)
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.params = {p.untyped_storage().data_ptr() for p in stage.module.parameters()}
-        self.busy = 0.0
+        self.busy = self.steady_wait = 0.0
+        self.k, self.last_end = 0, 0.0  # the action running; when the previous one's compute ended
         self.held = self.peak = 0
         self.loss = torch.zeros((), device=stage.device) if stage.is_last else None
         self.prev, self.next = (stage.stage - 1) % stage.n_stages, (stage.stage + 1) % stage.n_stages
@@ -116,8 +122,9 @@ class StepRun:
         return _tag(action.microbatch, boundary, channel, self.s.n_virtual)
 
     def execute(self) -> tuple[torch.Tensor | None, StepStats]:
-        start = time.perf_counter()
+        start = self.last_end = time.perf_counter()
         for k, action in enumerate(self.actions):
+            self.k = k
             self.prefetch(k)
             self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
             if action.kind == "F":
@@ -129,7 +136,7 @@ class StepRun:
         if self.clock is not None:
             self.clock.join()
         stats = StepStats(time.perf_counter() - start, self.busy, self.peak,
-                          len({a.microbatch for a in self.actions if a.kind == "F"}))
+                          len({a.microbatch for a in self.actions if a.kind == "F"}), self.steady_wait)
         return self.loss, stats
 
     # ---- receives
@@ -193,9 +200,15 @@ class StepRun:
                 return
         self.sends.append((work, tensor))
 
-    def compute_span(self, action: Action, start: float, end: float) -> None:
-        self.timeline.span(str(action), "compute", start, end, stage=self.s.stage,
-                           microbatch=action.microbatch)
+    def computed(self, action: Action, start: float, end: float) -> None:
+        """Count one action's compute and, where the ideal schedule has no idle before it, the gap."""
+        self.busy += end - start
+        if self.fill_drain is not None and not self.fill_drain[self.k]:
+            self.steady_wait += start - self.last_end
+        self.last_end = end
+        if self.timeline is not None:
+            self.timeline.span(str(action), "compute", start, end, stage=self.s.stage,
+                               microbatch=action.microbatch)
 
     # ---- compute
 
@@ -217,10 +230,7 @@ class StepRun:
             out = s.module(x) if s.v == 1 else s.module(x, chunk=action.chunk)
             if last:
                 out = s.loss_fn(out, self.targets[i].to(s.device)) * self.weights[i]
-        end = time.perf_counter()
-        self.busy += end - start
-        if self.timeline is not None:
-            self.compute_span(action, start, end)
+        self.computed(action, start, time.perf_counter())
         held.add(x)
         if last:
             self.loss += out.detach()
@@ -261,10 +271,7 @@ class StepRun:
         start = time.perf_counter()
         with context:
             torch.autograd.backward(out, grad)
-        end = time.perf_counter()
-        self.busy += end - start
-        if self.timeline is not None:
-            self.compute_span(action, start, end)
+        self.computed(action, start, time.perf_counter())
         if u > 0:
             dx = x.grad if x.grad is not None else torch.zeros_like(x)
             traced = None if self.timeline is None else (action, self.timeline.now())

@@ -47,7 +47,7 @@ from paraloom.pipeline_parallel.run import (
     StepStats,
     header_of,
 )
-from paraloom.pipeline_parallel.schedules import Action, make_schedule, validate
+from paraloom.pipeline_parallel.schedules import Action, idle_before, make_schedule, validate
 from paraloom.trace.timeline import Timeline
 
 
@@ -105,7 +105,8 @@ class PipelineStage:
         ranks = range(self.peers.size)
         whole = pp_group is None or pp_group == dist.group.WORLD
         self._global = list(ranks) if whole else [dist.get_global_rank(pp_group, r) for r in ranks]
-        self._schedules: dict[tuple[str, int], list[Action]] = {}
+        # (name, micro-batches) -> this stage's actions, and per action whether the ideal run idles before it
+        self._schedules: dict[tuple[str, int], tuple[list[Action], list[bool]]] = {}
         self.history: list[StepStats] = []
 
     @property
@@ -126,8 +127,8 @@ class PipelineStage:
         if key not in self._schedules:
             schedule = make_schedule(name, self.n_stages, n_microbatches, self.v)
             validate(schedule, n_microbatches)
-            self._schedules[key] = schedule[self.stage]
-        return self._schedules[key]
+            self._schedules[key] = schedule[self.stage], idle_before(schedule)[self.stage]
+        return self._schedules[key][0]
 
     # ---- forward only
 
@@ -181,7 +182,9 @@ class PipelineStage:
                 raise UserError(f"stage {self.stage} cannot tell the number of micro-batches; "
                                 "pass n_microbatches=")
             actions = self.actions(schedule, m)
+            fill_drain = self._schedules[schedule, m][1]
         else:
+            fill_drain = None
             actions = [Action.parse(a) for a in schedule]
             m = len({a.microbatch for a in actions if a.kind == "F"})
             try:
@@ -198,7 +201,7 @@ class PipelineStage:
         if self.is_last:
             sizes = [len(t) if t.dim() else 1 for t in targets]
             weights = [n / sum(sizes) for n in sizes]
-        run = StepRun(self, actions, inputs, targets, weights, no_sync)
+        run = StepRun(self, actions, inputs, targets, weights, no_sync, fill_drain)
         loss, stats = run.execute()
         self.history.append(stats)
         if broadcast_loss and self.n_stages > 1:

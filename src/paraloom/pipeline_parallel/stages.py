@@ -97,9 +97,12 @@ def _renamed(key: str, names: list[str]) -> str:
 
 
 def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, object]:
-    """Bubble figures from every rank's (median step, busy, schedule) seconds, one row per rank."""
+    """Bubble figures from every rank's (median step, busy, schedule[, steady-state wait]) seconds, one
+    row per rank."""
     step, busy, schedule = per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]
+    steady = per_rank[:, 3] if per_rank.shape[1] > 3 else torch.zeros_like(busy)
     ran = bool(schedule.max() > 0)
+    neck = int(busy.argmax())  # the bottleneck stage: the most compute
     return {
         "step_seconds": float(step.max()),  # a step is done when the slowest rank is
         "step_seconds_per_rank": step.tolist(),
@@ -109,7 +112,11 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, ob
                                                                          strict=True)],
         # the whole pipeline's: idle share of all ranks' time over the slowest rank's schedule time
         "bubble": 1 - float(busy.mean() / schedule.max()) if ran else 0.0,
-        # the bottleneck stage's (most compute): fill and drain, without the others' load imbalance
-        "bubble_bottleneck": 1 - float(busy.max() / schedule.max()) if ran else 0.0,
+        # the bottleneck stage's, without the others' load imbalance: fill, drain and steady-state waits
+        "bubble_bottleneck": 1 - float(busy[neck] / schedule.max()) if ran else 0.0,
+        # ... split: its waits where the ideal schedule has none (uneven compute, the runtime's own
+        # work) and the rest, the fill and drain that (p-1)/(v m+p-1) describes
+        "steady_wait_bottleneck": float(steady[neck] / schedule.max()) if ran else 0.0,
+        "bubble_fill_drain": 1 - float((busy[neck] + steady[neck]) / schedule.max()) if ran else 0.0,
         "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }
