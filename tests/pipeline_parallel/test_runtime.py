@@ -93,8 +93,8 @@ def check(results, ref):
 def test_equals_one_process(p, schedule, m):
     results = run_workers(_pipeline, p, schedule, m, "sgd")
     check(results, reference("sgd"))
-    for *_, bubbles in results:
-        assert all(0 <= b < 1 for b in bubbles)
+    for *_, shares in results:
+        assert all(0 <= b < 1 for b in shares)
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])

@@ -155,8 +155,8 @@ def test_interleaved_order_and_notation():
 
 
 def marked(schedule, idle):
-    return [" ".join(str(a) for a, i in zip(actions, row, strict=True) if i) for actions, row in zip(schedule, idle,
-                                                                                                 strict=True)]
+    rows = zip(schedule, idle, strict=True)
+    return [" ".join(str(a) for a, i in zip(actions, row, strict=True) if i) for actions, row in rows]
 
 
 def test_idle_before_marks_the_fill_and_drain():
