@@ -74,6 +74,8 @@ def summarize(cases: dict, nodes: int) -> dict:
         out["ratio_auto_vs_best_fixed"] = {case: c["seconds"]["auto"] / min(c["seconds"][v] for v in fixed)
                                            for case, c in cases.items()}
         out["auto_chose"] = {case: c.get("auto_chose") for case, c in cases.items()}
+        # the trials' medians, round by round, beside the fixed schedulers' whole runs above
+        out["auto_trials"] = {case: c.get("auto_trials") for case, c in cases.items()}
     if "auto_bucket" in balanced["seconds"] and all(v in balanced["seconds"] for v in fixed):
         # comm.bucket_mb=auto as well: against the best fixed scheduler at the given bucket size
         out["ratio_auto_bucket_vs_best_fixed"] = {case: c["seconds"]["auto_bucket"] / min(

@@ -242,6 +242,7 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
         assert set(case["seconds"]) == {"compute", "allreduce", "ddp", "ddp_view", "fifo", "wait_free",
                                         "priority", "auto", "one_step_delay", "local_sgd"}
         assert case["auto_chose"][0] in ("fifo", "wait_free", "priority")
+        assert set(case["auto_trials"][0]) == {"fifo", "wait_free", "priority"}  # what the trials measured
     assert set(summary["ratio_auto_vs_best_fixed"]) == set(report["cases"])
 
 

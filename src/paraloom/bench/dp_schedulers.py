@@ -157,9 +157,11 @@ def measure(options: dict[str, Any], save=None) -> dict[str, Any]:
                 chosen = engine.auto.chosen
                 samples.setdefault(f"{variant}_chose", []).append(
                     chosen["scheduler"] + (f" {chosen['bucket_mb']:g} MB" if chosen.get("bucket_mb") else ""))
+                samples.setdefault(f"{variant}_trials", []).append(dict(chosen["seconds"]))  # what it saw
             if not variant.startswith("ddp"):
                 engine.close()
-    chose = {key: samples.pop(key) for key in ("auto_chose", "auto_bucket_chose") if key in samples}
+    chose = {key: samples.pop(key) for key in ("auto_chose", "auto_bucket_chose", "auto_trials",
+                                               "auto_bucket_trials") if key in samples}
     results = {name: statistics.median(times) for name, times in samples.items()}
     dist.destroy_process_group()
     return {"world_size": world, "params": n_params, "seconds": results, **chose}

@@ -40,8 +40,11 @@ BUCKET_SIZES, START_BUCKET_MB = BUCKET_SIZES_MB, AUTO_START_BUCKET_MB
 # a block: steps after a switch left untimed (and one more), then timed; every candidate gets
 # ROUNDS blocks, taking turns, so that no candidate alone is timed on the run's first, coldest
 # steps or on a stretch where the machine is busier (one block of 5 timed steps each, in a row,
-# ran 4.5% over the best fixed scheduler on loopback in one run of benchmarks/dp_schedulers.py)
-WARMUP, STEPS, ROUNDS = 1, 3, 2
+# ran 4.5% over the best fixed scheduler on loopback in one run of benchmarks/dp_schedulers.py).
+# Four rounds, 12 timed steps each: with two (6 steps), loopback's trials put fifo anywhere from 19%
+# faster to 10% slower than wait_free where whole runs measured it 8% faster, and auto kept
+# wait_free in 3 rounds of 5 (BENCHMARKS.md, issue 28's auto runs)
+WARMUP, STEPS, ROUNDS = 1, 3, 4
 BLOCK = WARMUP + 1 + STEPS
 MARGIN = 0.02  # how much faster than the phase's first candidate another must be to replace it
 
