@@ -23,8 +23,7 @@ def test_model_parallel_benchmark_quick(tmp_path):
     assert inter["1f1b"]["bubble_theory"] == pytest.approx(1 / 5)
     assert inter["interleaved_1f1b"]["bubble_theory"] == pytest.approx(1 / 9)
     assert all(run["bubble_bottleneck"] >= 0 for run in inter["interleaved_1f1b"]["runs"])
-    for run in inter["1f1b"]["runs"] + inter["interleaved_1f1b"]["runs"]:  # the total, split in two
-        split = run["bubble_fill_drain"] + run["steady_wait_bottleneck"]
-        assert split == pytest.approx(run["bubble_bottleneck"])
+    for run in inter["1f1b"]["runs"] + inter["interleaved_1f1b"]["runs"]:  # steady waits: a part of the idle
+        assert 0 <= run["steady_wait_bottleneck"] <= run["bubble_bottleneck"]
     assert summary["fill_drain_rel_error_1f1b_p2_m8"] >= 0
     assert summary["step_ratio_interleaved_over_1f1b"] > 0
