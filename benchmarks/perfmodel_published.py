@@ -50,7 +50,7 @@ CASES = Path(__file__).with_name("published_cases.yaml")
 METRICS = ("tflops_per_gpu", "samples_per_s", "tokens_per_s", "step_s", "efficiency", "speedup")
 PLAN_FIELDS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages", "scheduler", "compressor",
                "algorithm", "servers", "consistency", "sequence_parallel",
-               "ps_node_sum")
+               "ps_node_sum", "ps_colocated")
 WITHIN = 0.15
 # What a framework's runs carry beyond the hardware, for the cases that name it (`framework:`), each value
 # fitted to that framework's fit cases (`--fit tensorflow-1.op_overhead_s`) and never to a held-out one:

@@ -18,6 +18,7 @@ from paraloom.perfmodel.network import (
     group_link,
     hierarchical_allreduce_time,
     p2p_time,
+    ps_pull_time,
     ps_time,
     reduce_scatter_time,
 )
@@ -174,6 +175,30 @@ def test_parameter_server_step():
         4 * (1.2e6 + 48) / 1.2e8 + 4 * (1.2e6 + 48) / 1.2e8 / 3)
     assert ps_time(1.2e6, 4, 1, GBIT, push_bytes=0.3e6, slices=4) == pytest.approx(
         2e-4 + 4 * (1.2e6 + 64) / 1.25e8 + 4 * (0.3e6 + 64) / 1.25e8 / 4)
+
+
+
+def test_co_located_servers_keep_a_nodes_own_share_off_its_nic():
+    link = Link("bench", 1.2e8, 0.0)
+    # 4 nodes, a server on each: a node sends 3 of the 4 shards it pushes, and its server receives
+    # 3 workers' pushes of one shard (apart: 4 shards out, 4 workers' in)
+    assert ps_time(1.2e6, 4, 4, link, colocated=True) == pytest.approx(2 * 0.75 * (1.2e6 + 64) / 1.2e8)
+    # 4 nodes, 2 servers: the nodes without a server send everything; a server's node receives 3 halves
+    assert ps_time(1.2e6, 4, 2, link, colocated=True) == pytest.approx(2 * 3 * (0.6e6 + 16) / 1.2e8)
+    assert ps_time(1.2e6, 4, 2, link) == pytest.approx(2 * 4 * (0.6e6 + 16) / 1.2e8)
+    # one node holding its own server has no NIC to spare: the link given (its PCIe) carries it all
+    assert ps_time(1.2e6, 1, 1, link, colocated=True) == pytest.approx(2 * (1.2e6 + 16) / 1.2e8)
+    with pytest.raises(UserError, match="co-located parameter servers need as many nodes"):
+        ps_time(1.2e6, 2, 4, link, colocated=True)
+
+
+def test_the_pull_phase_alone():
+    link = Link("bench", 1.2e8, 1e-3)
+    assert ps_pull_time(1.2e6, 4, 1, link) == pytest.approx(1e-3 + 4 * (1.2e6 + 16) / 1.2e8)
+    assert ps_pull_time(1.2e6, 4, 4, link, colocated=True) == pytest.approx(
+        1e-3 + 0.75 * (1.2e6 + 64) / 1.2e8)
+    # one slice: the step is its push phase and its pull phase, each with its latency
+    assert ps_time(1.2e6, 4, 1, link) == pytest.approx(2 * ps_pull_time(1.2e6, 4, 1, link))
 
 
 SIZES = [4 ** k * 1024 for k in range(9)]  # 1 KB .. 64 MB

@@ -429,7 +429,7 @@ def test_a_node_that_sums_its_workers_gradients_pushes_once(tmp_path, capsys):
     """TensorFlow's distributed_replicated: 16 workers on two 8-GPU nodes push as two, after a ring
     all-reduce inside each node; the servers move an eighth of the bytes."""
     from paraloom.cli import main
-    from paraloom.perfmodel.network import ps_time
+    from paraloom.perfmodel.network import ps_pull_time, ps_time
 
     profile = profile_model("resnet50")
     hw = load_hardware("v100-25gbe")
@@ -442,6 +442,23 @@ def test_a_node_that_sums_its_workers_gradients_pushes_once(tmp_path, capsys):
     assert Plan(dp=16, servers=2, ps_node_sum=True).label() == "dp16 ps2 bsp node-sum"
     with pytest.raises(UserError, match="only with servers and consistency bsp"):
         Plan(dp=16, servers=2, consistency="asp", ps_node_sum=True)
+    # the GPUs copy the variables back only once the servers applied every push: the pull is exposed
+    # even where backward is long enough to hide the whole step's traffic
+    pull = ps_pull_time(grad, 2, 2, hw.inter, slices)
+    assert wire - pull < summed.phases["backward"]
+    assert summed.breakdown["dp_comm_exposed"] == pytest.approx(pull, rel=1e-6)
+    assert each.breakdown["dp_comm_exposed"] == pytest.approx(
+        max(0.0, each.breakdown["dp_comm_total"] - each.phases["backward"]), rel=1e-6)
+    # the servers on the workers' two nodes: each node keeps its own shard's traffic off its NIC
+    colocated = Plan(dp=16, servers=2, ps_node_sum=True, ps_colocated=True)
+    shared = estimate(profile, hw, colocated, 512)
+    near = ps_time(grad, 2, 2, hw.inter, slices=slices, colocated=True)
+    local = allreduce_time(grad, 8, hw.intra, "ring")
+    assert shared.breakdown["dp_comm_total"] == pytest.approx(near + local)
+    assert near < ps_time(grad, 2, 2, hw.inter, slices=slices) * 0.6
+    assert colocated.label() == "dp16 ps2 bsp node-sum co-located"
+    with pytest.raises(UserError, match="true only with ps_node_sum"):
+        Plan(dp=16, servers=2, ps_colocated=True)
     argv = ["plan", "--model", "resnet50", "--cluster", "v100-25gbe", "--nodes", "2", "--global-batch", "512",
             "--plan", "dp=16,servers=2,ps_node_sum=true"]
     assert main(argv) == 0

@@ -250,35 +250,64 @@ def group_allreduce_time(nbytes: float, n_nodes: int, per_node: int, intra: Link
     return inside + between
 
 
+def _ps_phase(total: float, workers: int, servers: int, link: LinkLike, slices: int,
+              colocated: bool) -> float:
+    """Seconds for `total` bytes a worker moves to (or from) the servers, bounded by the busier NIC.
+    Apart: a worker's NIC carries all of it, a server's workers * total / servers. Co-located (a
+    server on each of `servers` of the workers' nodes): what a node sends its own server never
+    reaches its NIC, so a server's node carries (workers - 1) / workers of its shard's traffic, and
+    a worker's (servers - 1) / servers of its own, or all of it where some nodes hold no server."""
+    headers = slices * PS_HEADER_BYTES
+    if colocated and workers > 1:
+        own = 1.0 if servers < workers else (servers - 1) / servers
+        worker_nic = own * (total + servers * headers)
+        server_nic = (workers - 1) * (total / servers + headers)
+    else:
+        worker_nic = total + servers * headers
+        server_nic = workers * (total / servers + headers)
+    return max(worker_nic, server_nic) / link.bandwidth
+
+
+def _check_ps(nbytes: float, workers: int, servers: int, slices: int, colocated: bool) -> None:
+    _check_group(nbytes, workers)
+    _check_group(nbytes, servers)
+    if slices < 1:
+        raise UserError(f"slices={slices} must be at least 1")
+    if colocated and servers > workers:
+        raise UserError(f"{servers} co-located parameter servers need as many nodes of workers; "
+                        f"there are {workers}")
+
+
 def ps_time(nbytes: float, workers: int, servers: int, link: LinkLike,
-            push_bytes: float | None = None, slices: int = 1) -> float:
+            push_bytes: float | None = None, slices: int = 1, colocated: bool = False) -> float:
     """Seconds for one parameter-server step: every worker pushes its gradient and pulls the parameters.
 
     `nbytes` is the model's fp32 parameters, cut into `servers` equal shards, each sent as `slices`
     messages (`ps.partition_mb`); `push_bytes` the gradient as pushed (a compressor's payload;
     default nbytes). Each worker and each server has its own node and NIC of `link` (as in
-    benchmarks/ps.py). Every message carries a 16-byte header (parameter_server/message.py).
-    Push: a worker's NIC sends push_bytes in all, a server's receives workers * push_bytes /
-    servers; the busier NIC bounds the phase. Pull: the same with nbytes in the other direction.
-    Under BSP a server replies to a slice once every worker's push of it is in: with one slice
-    the phases add (2 alpha + both phases); with k slices the replies of slice i flow out while
-    slice i + 1 flows in, so the longer phase is paid whole and the shorter only for its last
-    slice (2 alpha + longer + shorter / k). ASP and SSP move the same bytes per step; they change
-    who waits, not the traffic.
+    benchmarks/ps.py), or with `colocated` each server shares a worker's node (as TensorFlow's
+    published runs placed their ps tasks). Every message carries a 16-byte header
+    (parameter_server/message.py). Push: a worker's NIC sends push_bytes in all, a server's
+    receives workers * push_bytes / servers; the busier NIC bounds the phase (`_ps_phase`). Pull:
+    the same with nbytes in the other direction. Under BSP a server replies to a slice once every
+    worker's push of it is in: with one slice the phases add (2 alpha + both phases); with k slices
+    the replies of slice i flow out while slice i + 1 flows in, so the longer phase is paid whole
+    and the shorter only for its last slice (2 alpha + longer + shorter / k). ASP and SSP move the
+    same bytes per step; they change who waits, not the traffic.
     """
-    _check_group(nbytes, workers)
-    _check_group(nbytes, servers)
-    if slices < 1:
-        raise UserError(f"slices={slices} must be at least 1")
+    _check_ps(nbytes, workers, servers, slices, colocated)
     push = nbytes if push_bytes is None else push_bytes
-
-    def phase(total: float) -> float:
-        worker_nic = total + servers * slices * PS_HEADER_BYTES
-        server_nic = workers * (total / servers + slices * PS_HEADER_BYTES)
-        return max(worker_nic, server_nic) / link.bandwidth
-
-    longer, shorter = sorted((phase(push), phase(nbytes)), reverse=True)
+    longer, shorter = sorted((_ps_phase(push, workers, servers, link, slices, colocated),
+                              _ps_phase(nbytes, workers, servers, link, slices, colocated)), reverse=True)
     return 2 * link.latency + longer + shorter / slices
+
+
+def ps_pull_time(nbytes: float, workers: int, servers: int, link: LinkLike, slices: int = 1,
+                 colocated: bool = False) -> float:
+    """Seconds of the pull phase alone (`ps_time`'s second half): every worker reads the parameters
+    back from the servers once no push is in flight any more."""
+    _check_ps(nbytes, workers, servers, slices, colocated)
+    return link.latency + _ps_phase(nbytes, workers, servers, link, slices, colocated)
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], n: int,

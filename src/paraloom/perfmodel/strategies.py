@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from paraloom.choices import (
     ALL_REDUCE_ALGORITHMS,
@@ -27,10 +27,8 @@ from paraloom.perfmodel.compression import codec_time, compressed_bytes, compres
 from paraloom.perfmodel.cpu_cost import (
     WIRE_DTYPE,
     comm_cpu,
-    crosses_nodes,
     ps_slices,
     server_cpu,
-    tcp_cpu_per_byte,
     unhidden_cpu,
 )
 from paraloom.perfmodel.device_cost import layer_seconds, update_seconds
@@ -41,10 +39,10 @@ from paraloom.perfmodel.network import (
     group_allreduce_time,
     group_link,
     p2p_time,
-    ps_time,
 )
-from paraloom.perfmodel.plan_links import dp_group, dp_link, dp_per_node, stream
+from paraloom.perfmodel.plan_links import dp_group, dp_link, stream
 from paraloom.perfmodel.profile import ModelProfile
+from paraloom.perfmodel.ps_sync import ps_bsp_sync
 from paraloom.perfmodel.queueing import asp_cycle
 from paraloom.perfmodel.storage import READ_BANDWIDTH, read_seconds
 from paraloom.rules import check_interleaving, check_name, check_parallel_layout
@@ -76,6 +74,9 @@ class Plan:
     # a parameter server's workers sum their gradients inside each node first and the node pushes once
     # (TensorFlow's variable_update=distributed_replicated); priced, not run by paraloom
     ps_node_sum: bool = False
+    # with ps_node_sum: the servers run on the workers' nodes, one a node, sharing their NICs (as the
+    # TensorFlow benchmarks' ps tasks did); priced, not run by paraloom
+    ps_colocated: bool = False
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -93,6 +94,9 @@ class Plan:
                                                                                self.consistency == "bsp")):
             raise UserError(f"plan ps_node_sum={self.ps_node_sum} must be true or false, and true only with "
                             "servers and consistency bsp")
+        if self.ps_colocated not in (True, False) or (self.ps_colocated and not self.ps_node_sum):
+            raise UserError(f"plan ps_colocated={self.ps_colocated} must be true or false, and true only "
+                            "with ps_node_sum (one pushing worker a node)")
         if self.sequence_parallel not in (True, False) or (self.sequence_parallel and self.tp == 1):
             raise UserError(f"plan sequence_parallel={self.sequence_parallel} must be true or false, and "
                             "true only with tp > 1 (it splits what tensor parallelism keeps whole)")
@@ -110,7 +114,8 @@ class Plan:
             parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else "")
                          + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.servers:
-            parts.append(f"ps{self.servers} {self.consistency}" + " node-sum" * self.ps_node_sum)
+            parts.append(f"ps{self.servers} {self.consistency}" + " node-sum" * self.ps_node_sum
+                         + " co-located" * self.ps_colocated)
         elif self.dp > 1:
             parts.append(self.scheduler if self.sync == "sync" else self.sync)
             if self.algorithm not in ("ring", "native"):
@@ -339,16 +344,6 @@ def _flag_guard(plan: Plan, opts: Options) -> bool:
     return not (plain and plan.compressor in ("none", *WIRE_DTYPE) and plan.tp == 1 and plan.pp == 1)
 
 
-def _ps_pushers(hw: Hardware, plan: Plan, grad_bytes: float) -> tuple[int, float]:
-    """(workers that push to the servers, seconds of summing inside a node first): every worker, or
-    with `ps_node_sum` one push a node after a ring all-reduce of its workers' gradients."""
-    if not plan.ps_node_sum:
-        return plan.dp, 0.0
-    per_node = dp_per_node(hw, plan)
-    local = allreduce_time(grad_bytes, per_node, hw.intra, "ring") if per_node > 1 else 0.0
-    return -(-plan.dp // per_node), local
-
-
 def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, stage: tuple[int, int],
              fwd: list[float], bwd: list[float], m: int, grad_bytes: float) -> tuple[float, float]:
     """(exposed seconds, seconds on the link) of one step's gradient synchronization."""
@@ -357,15 +352,7 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
     link = dp_link(hw, plan)
     start, stop = stage
     if plan.servers:  # BSP: pushes go out during backward, every pull waits for every push
-        push = compressed_bytes(grad_bytes, plan.compressor)
-        pushers, local = _ps_pushers(hw, plan, grad_bytes)
-        view = replace(plan, dp=pushers)
-        total = ps_time(grad_bytes, pushers, plan.servers, dp_link(hw, plan, p2p=True), push_bytes=push,
-                        slices=ps_slices(grad_bytes, plan, opts))
-        total = local + max(total, server_cpu(hw, view, opts, push, grad_bytes))  # a server's CPU is one too
-        exposed = max(0.0, total - sum(bwd[start:stop]))
-        own = (push + grad_bytes) * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan))  # a worker's own CPU
-        return unhidden_cpu(exposed, total, own), total
+        return ps_bsp_sync(hw, plan, opts, grad_bytes, sum(bwd[start:stop]))
 
     group = dp_group(hw, plan) if plan.algorithm.startswith("hierarchical_") else None
 
