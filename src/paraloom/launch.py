@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import uuid
 from collections.abc import Callable
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +17,30 @@ from paraloom import worker
 from paraloom.config import Config
 from paraloom.errors import WorkersFailed
 
+# What a worker imports before its first step: torch, its distributed stack and dynamo (which
+# torch.optim imports), and the loop. A forkserver imports them once per launch and forks each
+# worker, and each restarted worker, from there: a start of a fraction of a second where a spawned
+# interpreter takes seconds to import them again.
+PRELOAD = ["paraloom.worker", "paraloom.train"]
 
-def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int,
-                host: str = "127.0.0.1", max_restarts: int = 0) -> dict[int, Any]:
+
+def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = "127.0.0.1",
+                max_restarts: int = 0, start_method: str = "spawn") -> dict[int, Any]:
     """Run `fn(*args)` on `nproc` local workers; returns each rank's result.
 
     Rendezvous stays on `host` (loopback by default): nothing listens beyond this machine.
-    `fn` must be importable (workers are spawned) and set GLOO_SOCKET_IFNAME itself if needed.
-    When a worker fails, the agent stops the others and starts all of them again, up to
-    `max_restarts` times (each start sees TORCHELASTIC_RESTART_COUNT).
+    `fn` must be importable (workers are spawned, or forked from a forkserver that imported
+    `PRELOAD`) and set GLOO_SOCKET_IFNAME itself if needed. When a worker fails, the agent stops the
+    others and starts all of them again, up to `max_restarts` times (each start sees
+    TORCHELASTIC_RESTART_COUNT).
     """
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        _stop_forkserver()  # one started by an earlier launch holds that launch's environment
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
-        local_addr=host, max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+        local_addr=host, max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method)
     try:
         return elastic_launch(launch, fn)(*args)
     except ChildFailedError as exc:
@@ -36,6 +48,18 @@ def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int,
         cause = _cause(failure)
         raise WorkersFailed(f"worker rank {rank} failed (exit code {failure.exitcode})"
                             + (f": {cause}" if cause else ""), failure.exitcode) from None
+    finally:
+        if start_method == "forkserver":
+            _stop_forkserver()
+
+
+def _stop_forkserver() -> None:
+    """Stop this process's forkserver, if one runs, and reap it: nothing of a launch outlives it.
+    (The server would stop by itself once this process exits; CPython's own tests stop it so.)"""
+    server = getattr(forkserver, "_forkserver", None)
+    stop = getattr(server, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def _first_cause(item: tuple[int, Any]) -> tuple[int, int]:
@@ -59,10 +83,13 @@ def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
                  interface: str = "lo") -> dict[str, Any]:
     """Train with `cfg.parallel.nproc` workers on this machine; returns rank 0's summary."""
     nproc = cfg.processes(cfg.parallel.nproc)
-    if cfg.strategy != "parameter_server" and cfg.run.device != "cpu" and torch.cuda.is_available():
+    gpus = cfg.run.device != "cpu" and torch.cuda.is_available()
+    if cfg.strategy != "parameter_server" and gpus:
         worker.cuda_index(nproc - 1, nproc, torch.cuda.device_count(), backend=cfg.comm.backend)  # refuses
+    # CPU workers fork from a forkserver; GPU workers are spawned, so that no import a preload
+    # makes can touch CUDA before a worker's fork
     results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
                                        cfg.comm.interface or interface),
-                          nproc=nproc,
-                          max_restarts=cfg.run.max_restarts)
+                          nproc=nproc, max_restarts=cfg.run.max_restarts,
+                          start_method="spawn" if gpus else "forkserver")
     return results[0]

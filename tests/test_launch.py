@@ -1,0 +1,49 @@
+"""The local launcher: torch's elastic agent starts CPU workers from a forkserver that imported the
+training stack once, GPU workers by spawn; failures and restarts pass through either way."""
+
+import multiprocessing
+import os
+import sys
+from multiprocessing import forkserver
+from pathlib import Path
+
+import pytest
+
+from paraloom import launch
+from paraloom.config import load_config
+from paraloom.errors import WorkersFailed
+
+
+def _where_am_i(fail_first: bool) -> dict:
+    """A worker's view: was the training stack imported before this function ran, and which start."""
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if fail_first and restart == 0 and os.environ["RANK"] == "1":
+        raise RuntimeError("rank 1 fails on its first start")
+    return {"preloaded": "paraloom.train" in sys.modules and "torch._dynamo" in sys.modules,
+            "restart": restart, "rank": int(os.environ["RANK"]), "pid": os.getpid()}
+
+
+@pytest.mark.timeout(180)
+def test_forkserver_workers_find_the_stack_imported_and_restart_from_it():
+    out = launch.elastic_run(_where_am_i, (True,), nproc=2, max_restarts=1, start_method="forkserver")
+    assert sorted(out) == [0, 1]
+    assert all(r["preloaded"] and r["restart"] == 1 for r in out.values()), out
+    assert out[0]["pid"] != out[1]["pid"] and os.getpid() not in {r["pid"] for r in out.values()}
+    with pytest.raises(WorkersFailed, match="rank 1 failed .*rank 1 fails on its first start"):
+        launch.elastic_run(_where_am_i, (True,), nproc=2, max_restarts=0, start_method="forkserver")
+    # the forkserver leaves with its launch, reaped: no child of this process is left
+    assert not multiprocessing.active_children()
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+def test_cpu_runs_fork_from_a_forkserver_and_gpu_runs_spawn(monkeypatch, tmp_path: Path):
+    seen = []
+    monkeypatch.setattr(launch, "elastic_run",
+                        lambda fn, args, **kw: seen.append(kw["start_method"]) or {0: {}})
+    monkeypatch.setattr(launch.worker, "cuda_index", lambda *a, **k: 0)
+    for device, cuda in (("cpu", True), ("auto", False), ("auto", True), ("cuda", True)):
+        monkeypatch.setattr(launch.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        monkeypatch.setattr(launch.torch.cuda, "device_count", lambda: 1)
+        cfg = load_config(None, [f"run.device={device}"])
+        launch.launch_local(cfg, tmp_path, started_at=0.0)
+    assert seen == ["forkserver", "forkserver", "spawn", "spawn"]
