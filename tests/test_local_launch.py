@@ -47,3 +47,6 @@ def test_cpu_runs_fork_from_a_forkserver_and_gpu_runs_spawn(monkeypatch, tmp_pat
         cfg = load_config(None, [f"run.device={device}"])
         launch.launch_local(cfg, tmp_path, started_at=0.0)
     assert seen == ["forkserver", "forkserver", "spawn", "spawn"]
+    monkeypatch.setattr(launch.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
+    launch.launch_local(load_config(None, ["run.device=cpu"]), tmp_path, started_at=0.0)
+    assert seen[-1] == "spawn"

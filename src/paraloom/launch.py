@@ -86,10 +86,11 @@ def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
     gpus = cfg.run.device != "cpu" and torch.cuda.is_available()
     if cfg.strategy != "parameter_server" and gpus:
         worker.cuda_index(nproc - 1, nproc, torch.cuda.device_count(), backend=cfg.comm.backend)  # refuses
-    # CPU workers fork from a forkserver; GPU workers are spawned, so that no import a preload
-    # makes can touch CUDA before a worker's fork
+    # CPU workers fork from a forkserver where the platform has one; GPU workers are spawned, so
+    # that no import a preload makes can touch CUDA before a worker's fork
+    fork = not gpus and "forkserver" in multiprocessing.get_all_start_methods()
     results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
                                        cfg.comm.interface or interface),
                           nproc=nproc, max_restarts=cfg.run.max_restarts,
-                          start_method="spawn" if gpus else "forkserver")
+                          start_method="forkserver" if fork else "spawn")
     return results[0]
