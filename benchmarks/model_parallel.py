@@ -188,24 +188,51 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
                                f"parallel.microbatches={m}", f"parallel.schedule={schedule}",
                                "parallel.balance=time", *chunks)
             kept = ("bubble_bottleneck", "bubble_fill_drain", "steady_wait_bottleneck", "bubble",
-                    "bubble_theory", "step_seconds", "partition")
-            runs[schedule].append({key: summary[key] for key in kept})
+                    "bubble_theory", "step_seconds", "partition", "bubble_fill_drain_per_rank")
+            runs[schedule].append({**{key: summary[key] for key in kept},
+                                   **at_measured_balance(summary, schedule, m, v)})
     result: dict[str, Any] = {"gpt": gpt, "p": 2, "m": m, "v": v, "steps": steps}
     for schedule, rows in runs.items():
         measured = statistics.median(r["bubble_bottleneck"] for r in rows)
         fill_drain = statistics.median(r["bubble_fill_drain"] for r in rows)
+        lighter = statistics.median(r["fill_drain_lighter_stage"] for r in rows)
+        expected = statistics.median(r["fill_drain_expected_bottleneck"] for r in rows)
         theory = rows[0]["bubble_theory"]
         # the bottleneck stage's idle share in all, and split: the fill and drain the theory describes,
-        # and its waits where the ideal schedule has none (neighbours' uneven compute)
+        # and its waits where the ideal schedule has none (neighbours' uneven compute); the lighter
+        # stage's fill and drain, which the stages' imbalance barely moves; and the bottleneck's fill
+        # and drain in the ideal run of stages as unequal as the run measured them
         result[schedule] = {"bubble_measured": measured, "bubble_theory": theory,
                             "bubble_rel_error": abs(measured - theory) / theory,
                             "bubble_fill_drain": fill_drain,
                             "bubble_fill_drain_rel_error": abs(fill_drain - theory) / theory,
+                            "fill_drain_lighter_stage": lighter,
+                            "fill_drain_lighter_stage_rel_error": abs(lighter - theory) / theory,
+                            "fill_drain_expected_bottleneck": expected,
+                            "fill_drain_rel_error_at_measured_balance": abs(fill_drain - expected) / expected,
+                            "busier_over_lighter": statistics.median(r["busier_over_lighter"] for r in rows),
                             "steady_wait": statistics.median(r["steady_wait_bottleneck"] for r in rows),
                             "step_seconds": statistics.median(r["step_seconds"] for r in rows), "runs": rows}
     result["step_ratio_interleaved_over_1f1b"] = (result["interleaved_1f1b"]["step_seconds"]
                                                   / result["1f1b"]["step_seconds"])
     return result
+
+
+def at_measured_balance(summary: dict[str, Any], schedule: str, m: int, v: int) -> dict[str, float]:
+    """A p = 2 run's stages as unequal as it measured them: the busier stage's compute over the
+    lighter's, the lighter stage's fill and drain, and the bottleneck's fill and drain in the ideal
+    run of stages that unequal (`schedules.fill_drain_shares`)."""
+    from paraloom.pipeline_parallel.schedules import fill_drain_shares, make_schedule
+
+    busy = [(1 - b) * s for b, s in zip(summary["bubble_per_rank"], summary["schedule_seconds_per_rank"],
+                                        strict=True)]
+    mean = sum(busy) / len(busy)
+    chunks = v if schedule == "interleaved_1f1b" else 1
+    ideal = fill_drain_shares(make_schedule(schedule, len(busy), m, chunks), [b / mean for b in busy])
+    neck, light = max(range(len(busy)), key=busy.__getitem__), min(range(len(busy)), key=busy.__getitem__)
+    return {"busier_over_lighter": busy[neck] / busy[light],
+            "fill_drain_lighter_stage": summary["bubble_fill_drain_per_rank"][light],
+            "fill_drain_expected_bottleneck": ideal[neck]}
 
 
 def tensor_versus_dtensor(out: Path, gpt: dict[str, int], steps: int, tp: int) -> dict[str, Any]:
@@ -255,6 +282,12 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         summary["fill_drain_rel_error_interleaved_p2_m8_v2"] = (
             inter["interleaved_1f1b"]["bubble_fill_drain_rel_error"])
         summary["step_ratio_interleaved_over_1f1b"] = inter["step_ratio_interleaved_over_1f1b"]
+        for key, name in (("1f1b", "1f1b_p2_m8"), ("interleaved_1f1b", "interleaved_p2_m8_v2")):
+            figures = inter[key]
+            summary[f"fill_drain_lighter_stage_rel_error_{name}"] = (
+                figures["fill_drain_lighter_stage_rel_error"])
+            summary[f"fill_drain_rel_error_at_measured_balance_{name}"] = (
+                figures["fill_drain_rel_error_at_measured_balance"])
     learn = report.get("learning")
     if learn:
         summary["val_loss"] = learn["val_loss"]

@@ -74,9 +74,11 @@ def _large(rank, world, dtype, op):
     return bad
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, pytest.param(8, marks=pytest.mark.slow)])
 def test_sixteen_million_elements(world):
-    # every dtype and both ops meet 16M elements somewhere across the world sizes
+    # every dtype and both ops meet 16M elements somewhere across the world sizes (1-4 give every
+    # pair, 5 an odd group past a power of two); test_all_algorithms_equal_native_all_reduce covers
+    # 6 and 7 at small sizes, where the blocks' odd splits are what could go wrong
     dtype, op = DTYPES[world % len(DTYPES)], OPS[world % len(OPS)]
     for bad in run_workers(_large, world, dtype, op, timeout=180):
         assert bad == []

@@ -346,4 +346,5 @@ def test_bubbles_split_the_bottleneck_stage():
     assert figures["bubble_bottleneck"] == pytest.approx(0.2)
     assert figures["steady_wait_bottleneck"] == pytest.approx(0.05)
     assert figures["bubble_fill_drain"] == pytest.approx(0.15)
+    assert figures["bubble_fill_drain_per_rank"] == pytest.approx([0.3, 0.15])
     assert bubbles(per_rank[:, :3], pp=2, m=8)["bubble_fill_drain"] == pytest.approx(0.2)

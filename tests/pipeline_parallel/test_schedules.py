@@ -9,6 +9,7 @@ from paraloom.pipeline_parallel.schedules import (
     Schedule1F1B,
     ScheduleGPipe,
     bubble_fraction,
+    fill_drain_shares,
     format_grid,
     idle_before,
     idle_fraction,
@@ -115,6 +116,19 @@ def test_simulated_dependencies():
     assert ran == [4, 4]
     when = {(pl.stage, str(pl.action)): (pl.start, pl.end) for pl in placed}
     assert when[(1, "F0")] == (1, 2) and when[(1, "B0")] == (2, 4) and when[(0, "B0")] == (4, 6)
+
+
+def test_fill_and_drain_per_stage_of_unequal_stages():
+    # 1F1B, p = 2, m = 1, stage 1 twice as slow: stage 0 F [0, 1], stage 1 F [1, 3] B [3, 7], stage 0
+    # B [7, 9]; stage 0 waits 6 before its B, stage 1 waits 1 before its F and 2 after its B
+    assert fill_drain_shares(make_schedule("1f1b", 2, 1), [1.0, 2.0]) == pytest.approx([6 / 9, 3 / 9])
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        equal = fill_drain_shares(make_schedule(name, 2, 8, v), [1.0, 1.0])
+        assert equal == pytest.approx([bubble_fraction(2, 8, v)] * 2)
+    # interleaved: the busier stage's fill and drain shrinks fast, the other's stays near theory
+    busier, other = fill_drain_shares(make_schedule("interleaved_1f1b", 2, 8, 2), [1.01, 0.99])
+    theory = bubble_fraction(2, 8, 2)
+    assert busier < 0.8 * theory and other == pytest.approx(theory, rel=0.05)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

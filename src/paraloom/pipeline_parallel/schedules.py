@@ -150,11 +150,13 @@ class Placed(NamedTuple):
     end: float
 
 
-def simulate(schedule: Schedule, f_time: float = 1.0, b_time: float = 1.0) -> tuple[list[Placed], list[int]]:
+def simulate(schedule: Schedule, f_time: float = 1.0, b_time: float = 1.0,
+             scale: list[float] | None = None) -> tuple[list[Placed], list[int]]:
     """Run the schedule on an ideal machine: each stage does its actions in order; virtual stage u
     (chunk c of stage s is u = c p + s) forwards micro-batch i after virtual stage u - 1 did, and
-    backwards it after virtual stage u + 1 did (and after its own forward). Returns the placed
-    actions and, per stage, how many actions ran (fewer than listed: the schedule deadlocks)."""
+    backwards it after virtual stage u + 1 did (and after its own forward); stage s's actions take
+    `scale[s]` times the given times (default 1: equal stages). Returns the placed actions and, per
+    stage, how many actions ran (fewer than listed: the schedule deadlocks)."""
     p = len(schedule)
     last = p * chunks_of(schedule) - 1  # the last virtual stage
 
@@ -180,7 +182,7 @@ def simulate(schedule: Schedule, f_time: float = 1.0, b_time: float = 1.0) -> tu
                 if any(d not in done for d in deps):
                     break
                 start = max([free[s], *(done[d] for d in deps)])
-                end = start + (f_time if a.kind == "F" else b_time)
+                end = start + (f_time if a.kind == "F" else b_time) * (scale[s] if scale else 1.0)
                 done.setdefault((s, a), end)
                 placed.append(Placed(s, a, start, end))
                 free[s], ran[s], progress = end, ran[s] + 1, True
@@ -208,6 +210,27 @@ def idle_before(schedule: Schedule, f_time: float = 1.0, b_time: float = 2.0) ->
         idle[pl.stage].append(pl.start > free[pl.stage] + 1e-9)
         free[pl.stage] = pl.end
     return idle
+
+
+def fill_drain_shares(schedule: Schedule, scale: list[float], f_time: float = 1.0,
+                      b_time: float = 2.0) -> list[float]:
+    """Per stage, the share of the step it idles before the actions `idle_before` marks (the fill and
+    drain of equal stages) and after its last action, in the ideal run whose stage s computes
+    `scale[s]` times as long as an equal stage. With equal stages every share is the theory's
+    bubble; a stage that computes more idles less there, as its neighbours run ahead of it
+    (interleaved 1F1B at p = 2, m = 8: a stage 2% busier than the other loses a quarter of it)."""
+    placed, _ = simulate(schedule, f_time, b_time, scale)
+    marks = idle_before(schedule, f_time, b_time)
+    makespan = max(pl.end for pl in placed)
+    shares = []
+    for s in range(len(schedule)):
+        mine = sorted((pl for pl in placed if pl.stage == s), key=lambda pl: pl.start)
+        free, idle = 0.0, 0.0
+        for k, pl in enumerate(mine):
+            idle += (pl.start - free) if marks[s][k] else 0.0
+            free = pl.end
+        shares.append((idle + makespan - free) / makespan)
+    return shares
 
 
 def format_grid(schedule: Schedule) -> str:

@@ -118,5 +118,8 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, ob
         # work) and the rest, the fill and drain that (p-1)/(v m+p-1) describes
         "steady_wait_bottleneck": float(steady[neck] / schedule.max()) if ran else 0.0,
         "bubble_fill_drain": 1 - float((busy[neck] + steady[neck]) / schedule.max()) if ran else 0.0,
+        # every rank's: with unequal stages the busiest one's fill and drain shrinks as the others run
+        # ahead of it, the rest stay near the theory's (`schedules.fill_drain_shares`)
+        "bubble_fill_drain_per_rank": (1 - (busy + steady) / schedule.max()).tolist() if ran else [],
         "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }
