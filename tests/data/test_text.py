@@ -70,9 +70,15 @@ def test_stdlib_files_skip_site_packages(tmp_path):
     _fake_library(tmp_path, n_files=4)
     (tmp_path / "site-packages").mkdir()
     (tmp_path / "site-packages" / "third_party.py").write_bytes(b"x = 1\n")
+    (tmp_path / "pkg" / "dist-packages").mkdir(parents=True)
+    (tmp_path / "pkg" / "mod.py").write_bytes(b"y = 2\n")
+    (tmp_path / "pkg" / "dist-packages" / "vendored.py").write_bytes(b"z = 3\n")
     found = stdlib_files(tmp_path)
-    assert len(found) == 4 and found == sorted(found)
-    assert all("site-packages" not in path.parts for _, path in found)
+    assert len(found) == 5 and found == sorted(found)
+    assert all("site-packages" not in path.parts and "dist-packages" not in path.parts for _, path in found)
+    # the order key is the crc32 of the path relative to the library, as the split's hash is
+    keys = {key: str(path.relative_to(tmp_path)) for key, path in found}
+    assert keys[zlib.crc32(b"pkg/mod.py")] == "pkg/mod.py"
 
 
 def test_too_little_text_for_one_window_says_what_to_do(tmp_path):
