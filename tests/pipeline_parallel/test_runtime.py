@@ -348,3 +348,14 @@ def test_bubbles_split_the_bottleneck_stage():
     assert figures["bubble_fill_drain"] == pytest.approx(0.15)
     assert figures["bubble_fill_drain_per_rank"] == pytest.approx([0.3, 0.15])
     assert bubbles(per_rank[:, :3], pp=2, m=8)["bubble_fill_drain"] == pytest.approx(0.2)
+
+
+def test_fill_and_drain_are_read_against_the_first_stages_schedule():
+    # stage 1's schedule (1.1 s) holds 0.1 s of waiting for what stage 0 does between steps beyond
+    # its own: the makespan is stage 0's 1.0 s; the idle in all still reads against the longest
+    per_rank = torch.tensor([[1.2, 0.80, 1.0, 0.05, 0.0], [1.2, 0.85, 1.1, 0.05, 1.0]])
+    figures = bubbles(per_rank, pp=2, m=8)
+    assert figures["makespan_seconds"] == pytest.approx(1.0)
+    assert figures["bubble_fill_drain_per_rank"] == pytest.approx([0.15, 0.10])
+    assert figures["bubble_fill_drain"] == pytest.approx(0.10)  # stage 1 computes most
+    assert figures["bubble_bottleneck"] == pytest.approx(1 - 0.85 / 1.1)

@@ -97,16 +97,26 @@ def _renamed(key: str, names: list[str]) -> str:
 
 
 def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, object]:
-    """Bubble figures from every rank's (median step, busy, schedule[, steady-state wait]) seconds, one
-    row per rank."""
+    """Bubble figures from every rank's (median step, busy, schedule[, steady-state wait[, pipeline
+    stage]]) seconds, one row per rank.
+
+    The fill and drain are read against the schedule's makespan: the first stage's schedule time,
+    since its first forward starts a step and its last backward ends it. A later stage starts its
+    step by waiting for that forward, so its own schedule time also holds whatever the first stage
+    does between steps beyond what the later stage does (a longer optimizer step, the next batch),
+    which no schedule counts. Rows without a stage column are all taken for first stages."""
     step, busy, schedule = per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]
     steady = per_rank[:, 3] if per_rank.shape[1] > 3 else torch.zeros_like(busy)
+    first = per_rank[:, 4] == 0 if per_rank.shape[1] > 4 else torch.ones_like(busy, dtype=torch.bool)
     ran = bool(schedule.max() > 0)
+    makespan = schedule[first].max() if ran else schedule.max()
     neck = int(busy.argmax())  # the bottleneck stage: the most compute
+    fill_drain = 1 - (busy + steady) / makespan if ran else torch.zeros_like(busy)
     return {
         "step_seconds": float(step.max()),  # a step is done when the slowest rank is
         "step_seconds_per_rank": step.tolist(),
         "schedule_seconds_per_rank": schedule.tolist(),  # the pipeline schedule alone
+        "makespan_seconds": float(makespan),
         # the share of the schedule's time a rank did not compute (the optimizer step excluded)
         "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for b, s in zip(busy.tolist(), schedule.tolist(),
                                                                          strict=True)],
@@ -114,12 +124,12 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, ob
         "bubble": 1 - float(busy.mean() / schedule.max()) if ran else 0.0,
         # the bottleneck stage's, without the others' load imbalance: fill, drain and steady-state waits
         "bubble_bottleneck": 1 - float(busy[neck] / schedule.max()) if ran else 0.0,
-        # ... split: its waits where the ideal schedule has none (uneven compute, the runtime's own
-        # work) and the rest, the fill and drain that (p-1)/(v m+p-1) describes
+        # ... its waits where the ideal schedule has none (uneven compute, the runtime's own work)
         "steady_wait_bottleneck": float(steady[neck] / schedule.max()) if ran else 0.0,
-        "bubble_fill_drain": 1 - float((busy[neck] + steady[neck]) / schedule.max()) if ran else 0.0,
+        # the rest within the makespan: the fill and drain that (p-1)/(v m+p-1) describes
+        "bubble_fill_drain": float(fill_drain[neck]),
         # every rank's: with unequal stages the busiest one's fill and drain shrinks as the others run
         # ahead of it, the rest stay near the theory's (`schedules.fill_drain_shares`)
-        "bubble_fill_drain_per_rank": (1 - (busy + steady) / schedule.max()).tolist() if ran else [],
+        "bubble_fill_drain_per_rank": fill_drain.tolist() if ran else [],
         "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }

@@ -256,10 +256,11 @@ class ModelParallelStrategy(EngineStrategy):
         per_rank = gather_floats([_median(self.step_seconds), _median([h.busy_seconds for h in history]),
                                   _median([h.step_seconds for h in history]),
                                   _median([h.steady_wait_seconds for h in history]),
+                                  float(self.groups.pp_rank),
                                   float(param_bytes(self.model)), float(self.peak_activation)], self.group)
         dp, tp, pp = self.grid
         return {"grid": {"dp": dp, "tp": tp, "pp": pp}, "schedule": self.schedule, "microbatches": self.m,
                 "virtual_stages": self.v, "partition": [list(b) for b in self.bounds],
-                **bubbles(per_rank[:, :4], pp, self.m, self.v),
-                "param_bytes_per_rank": [int(b) for b in per_rank[:, 4].tolist()],
-                "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 5].tolist()]}
+                **bubbles(per_rank[:, :5], pp, self.m, self.v),
+                "param_bytes_per_rank": [int(b) for b in per_rank[:, 5].tolist()],
+                "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 6].tolist()]}
