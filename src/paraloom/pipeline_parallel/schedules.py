@@ -217,8 +217,9 @@ def fill_drain_shares(schedule: Schedule, scale: list[float], f_time: float = 1.
     """Per stage, the share of the step it idles before the actions `idle_before` marks (the fill and
     drain of equal stages) and after its last action, in the ideal run whose stage s computes
     `scale[s]` times as long as an equal stage. With equal stages every share is the theory's
-    bubble; a stage that computes more idles less there, as its neighbours run ahead of it
-    (interleaved 1F1B at p = 2, m = 8: a stage 2% busier than the other loses a quarter of it)."""
+    bubble; a first stage that computes more idles less there, as the later ones run ahead of it
+    (interleaved 1F1B at p = 2, m = 8: 2% busier than the last stage, it loses a quarter of it),
+    while a busier last stage's share barely moves."""
     placed, _ = simulate(schedule, f_time, b_time, scale)
     marks = idle_before(schedule, f_time, b_time)
     makespan = max(pl.end for pl in placed)

@@ -128,8 +128,8 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, ob
         "steady_wait_bottleneck": float(steady[neck] / schedule.max()) if ran else 0.0,
         # the rest within the makespan: the fill and drain that (p-1)/(v m+p-1) describes
         "bubble_fill_drain": float(fill_drain[neck]),
-        # every rank's: with unequal stages the busiest one's fill and drain shrinks as the others run
-        # ahead of it, the rest stay near the theory's (`schedules.fill_drain_shares`)
+        # every rank's: a first stage that computes more than the rest loses fill and drain as they
+        # run ahead of it; a busier last stage's stays near the theory's (`schedules.fill_drain_shares`)
         "bubble_fill_drain_per_rank": fill_drain.tolist() if ran else [],
         "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }
