@@ -5,11 +5,15 @@
 1. Calibrate: this machine's compute constants and, per link rate, the ring all-reduce's alpha
    and beta across a 2-node emulated cluster, and per wire dtype (fp32, fp16, bf16) across a 2-
    and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.calibrate`); then refine the
-   compute scale and per-step overhead from single-worker runs (MLP and GPT on one thread), the
-   parameter server's CPU per message from a BSP run on loopback (2 workers and a server), and a
+   compute scale and per-step overhead from single-worker runs (MLP and GPT on one thread) and a
    synchronous step's own cost from 2-worker fifo runs on loopback, their measured communication
-   taken out (`calibrate.refine`); 120 steps each, the MLP's two kinds three times, interleaved
-   (the refinement takes medians). None of them is among the validated configurations.
+   taken out; 120 steps each, the MLP's two kinds three times, interleaved (the refinement takes
+   medians); and per link rate the parameter server's CPU per message from a BSP run of one worker
+   and one server across that rate's emulated link (`calibrate.refine`). None of them is among the
+   validated configurations. The server's run is on the link, not on loopback, because the
+   kernel's work per packet is the link's: the MLP's 2-worker BSP run took 55.0 ms of server CPU a
+   step on loopback and 74.7 ms across the 10 Gbit/s emulated link; refined on loopback, both
+   parameter-server configurations at 10 Gbit/s were under-predicted by 25-32%.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -59,6 +63,9 @@ GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
 STEPS = {"100mbit": 40, "1gbit": 80, "10gbit": 200}
 LOG_EVERY = 10
 REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the MLP's three times
+# the parameter server's refinement run per rate (one worker's step: ~0.75 s at 100 Mbit/s, ~0.1 s at
+# 1 Gbit/s, ~0.06 s at 10 Gbit/s): its CPU per message is a mean over every step
+REFINE_PS_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
 # and one configuration measured once moved by up to 45% between runs of this benchmark (wait_free
@@ -118,15 +125,13 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="paraloom-pmval-") as tmp:
         out = Path(tmp)
         one_thread = dict(os.environ, OMP_NUM_THREADS="1")
-        console.print(f"calibrating: {2 * REFINE_REPEATS + 2} runs on loopback (refinement, not validated)")
+        console.print(f"calibrating: {2 * REFINE_REPEATS + 1} runs on loopback (refinement, not validated)")
         refine_runs = []
         for i in range(REFINE_REPEATS):  # interleaved: the machine's drift over minutes hits both alike
             refine_runs += [train(out, f"refine mlp {i}", MLP, ["--nproc", "1"], one_thread, REFINE_STEPS),
                             train(out, f"refine dp {i}", [*MLP, *MLP_VARIANTS["fifo"]], ["--nproc", "2"],
                                   steps=REFINE_STEPS)]
-        refine_runs += [train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread, REFINE_STEPS),
-                        train(out, "refine ps", [*MLP, *PS_VARIANTS["ps_bsp"]], ["--nproc", "2"],
-                              steps=REFINE_STEPS)]
+        refine_runs.append(train(out, "refine gpt", GPT, ["--nproc", "1"], one_thread, REFINE_STEPS))
         done, total = 0, sum(1 if quick else PASSES[c["rate"]] for c in configs)
         for rate in dict.fromkeys(c["rate"] for c in configs):  # each rate calibrated just before its runs
             console.print(f"calibrating: compute and links at {rate}")
@@ -137,7 +142,10 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
                           for n in sizes]  # the all-reduce at every group size the plans use
                 hw, _ = calibrate(cluster=cluster, group_clusters=groups, name=f"this-machine-{rate}")
             white = hw.to_dict()  # micro-benchmarks alone: the white box
-            hw, points = refine(hw, refine_runs)
+            console.print(f"calibrating: a parameter server's CPU per message at {rate} (1 worker, 1 server)")
+            server = train(out, f"refine ps {rate}", [*MLP, *PS_VARIANTS["ps_bsp"]],
+                           ["--emulate", f"2x{rate}"], steps=REFINE_PS_STEPS[rate])
+            hw, points = refine(hw, [*refine_runs, server])
             report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points,
                                         "white_profile": white}
             hardware = out / f"hardware-{rate}.yaml"
