@@ -10,9 +10,9 @@
    taken out; 120 steps each, the MLP's two kinds three times, interleaved (the refinement takes
    medians); and per link rate the parameter server's CPU per message from a BSP run of one worker
    and one server across that rate's emulated link (`calibrate.refine`). None of them is among the
-   validated configurations. The server's run is on the link, not on loopback, because the
-   kernel's work per packet is the link's: the MLP's 2-worker BSP run took 55.0 ms of server CPU a
-   step on loopback and 74.7 ms across the 10 Gbit/s emulated link; refined on loopback, both
+   validated configurations. The server's run is on the link, not on loopback: the MLP's 2-worker
+   BSP run took 55.0 ms of server CPU a step on loopback and 74.7 ms across the 10 Gbit/s emulated
+   link (most likely the kernel's work per packet, not measured apart); refined on loopback, both
    parameter-server configurations at 10 Gbit/s were under-predicted by 25-32%.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
@@ -63,8 +63,9 @@ GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
 STEPS = {"100mbit": 40, "1gbit": 80, "10gbit": 200}
 LOG_EVERY = 10
 REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the MLP's three times
-# the parameter server's refinement run per rate (one worker's step: ~0.75 s at 100 Mbit/s, ~0.1 s at
-# 1 Gbit/s, ~0.06 s at 10 Gbit/s): its CPU per message is a mean over every step
+# the parameter server's refinement run per rate (one worker's step measured 98 ms at 1 Gbit/s and
+# 57 ms at 10 Gbit/s; at 100 Mbit/s its 17.7 MB take over 0.7 s): its CPU per message is a mean over
+# every step
 REFINE_PS_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
