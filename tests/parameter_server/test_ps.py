@@ -143,6 +143,8 @@ def test_bsp_equals_synchronous_sgd(workers, servers, slice_elements):
     assert all(s["updates"] == steps * slices and s["pushes_applied"] == steps * workers * slices
                for s in stats)
     assert all(set(s["read_staleness"]) == {0} for s in stats)
+    # the optimizer steps' CPU, timed on the serving thread: part of the process's
+    assert all(0 < s["update_cpu_seconds"] <= s["cpu_seconds"] for s in stats)
 
 
 @pytest.mark.parametrize("servers,slice_elements", [(1, 10**9), (3, 10**9), (1, 30)])

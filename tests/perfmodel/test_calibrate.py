@@ -98,6 +98,23 @@ def test_refine_takes_a_parameter_servers_cpu_per_message_from_a_ps_run(tmp_path
     assert points[-1]["server_cpu_s_per_step"] == pytest.approx(0.034)
     alone, _ = refine(hw, [single])
     assert refined.constants["step_overhead_s"] == alone.constants["step_overhead_s"]  # not in that fit
+    assert "ps.server_s_per_update" not in refined.constants  # that server did not time its updates
+
+
+def test_refine_takes_a_servers_updates_apart_from_its_messages(tmp_path):
+    """The same run, its server having timed 0.7 s of its 3.4 s in 1,700 optimizer steps (BSP: 17
+    slices, 100 clocks): 412 us a request becomes 0.7 s / 3,400 = 206 us, and 412 us an update."""
+    hw = load_hardware("v100-10gbe")
+    hw = replace(hw, constants={**hw.constants, "tcp_cpu_s_per_byte.intra": 1e-9})
+    ps = _fake_run(tmp_path, "ps", {"model": {"name": "mlp"}, "parallel": {"nproc": 2, "mode": "ps"}}, 0.04)
+    summary = json.loads((ps / "summary.json").read_text())
+    summary.update({"steps": 100, "workers": 2, "servers": 1, "nodes": 1, "comm_bytes_per_step": 1e7,
+                    "servers_stats": [{"cpu_seconds": 3.4, "slices": 17, "updates": 1700,
+                                       "update_cpu_seconds": 0.7}]})
+    (ps / "summary.json").write_text(json.dumps(summary))
+    refined, _ = refine(hw, [ps])
+    assert refined.constants["ps.server_s_per_message"] == pytest.approx(0.7 / 3400)
+    assert refined.constants["ps.server_s_per_update"] == pytest.approx(0.7 / 1700)
 
 
 def test_refine_takes_the_synchronous_steps_own_cost_from_a_data_parallel_run(tmp_path):

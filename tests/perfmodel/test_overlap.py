@@ -90,7 +90,16 @@ def test_mean_value_analysis_by_hand():
     r2 = 0.8 * (1 + 0.8 / 0.85)
     assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=7) == pytest.approx(r2 + 0.05)
     assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=1) == pytest.approx(cycle)
-    # the servers' CPU as one more station (0.3 s a visit): two stations of 0.8 and 0.3
-    q = [0.8 / 1.15, 0.3 / 1.15]
-    expected = 0.8 * (1 + q[0]) + 0.3 * (1 + q[1]) + 0.05
+    # the servers' CPU (0.3 s a visit) handles one slice while the next arrives: one station of
+    # 0.8 + 0.3 / 7, against the link's 0.8 alone
+    d = 0.8 + 0.3 / 7
+    expected = d * (1 + d / (d + 0.05)) + 0.05
     assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=7, server_cpu_s=0.3) == pytest.approx(expected)
+    # a CPU slower than the link sets the pace the same way: 2.0 + 0.8 / 7
+    d = 2.0 + 0.8 / 7
+    assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=7, server_cpu_s=2.0) == \
+        pytest.approx(d * (1 + d / (d + 0.05)) + 0.05)
+    # one message a shard: nothing to overlap, the CPU is one more station after the link
+    q = [0.7 / 1.75, 0.7 / 1.75, 0.3 / 1.75]
+    expected = sum(x * (1 + y) for x, y in zip([0.7, 0.7, 0.3], q, strict=True)) + 0.05
+    assert asp_cycle(2, 1, 0.7, 0.7, 0.05, slices=1, server_cpu_s=0.3) == pytest.approx(expected)

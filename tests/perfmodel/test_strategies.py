@@ -181,6 +181,19 @@ def test_a_parameter_servers_cpu_per_message_adds_to_its_bytes():
         estimate(model(), without, asp, 40, opts).step_s
 
 
+def test_a_parameter_servers_updates_are_one_a_slice_and_clock_under_bsp_one_a_push_else():
+    """16 slices, 4 workers, 1 ms an optimizer step: BSP adds 16 x 1 ms to the server's CPU a step,
+    ASP 4 x 16 x 1 ms (one step a push)."""
+    from paraloom.perfmodel.cpu_cost import server_cpu
+
+    opts = Options(ps_partition_mb=1 / 1024)
+    hw, base = hardware(inter_bw=1e12, **{"ps.server_s_per_update": 1e-3}), hardware(inter_bw=1e12)
+    for consistency, extra in (("bsp", 0.016), ("asp", 0.064), ("ssp", 0.064)):
+        plan = Plan(dp=4, servers=1, consistency=consistency)
+        added = server_cpu(hw, plan, opts, 16384, 16384) - server_cpu(base, plan, opts, 16384, 16384)
+        assert added == pytest.approx(extra)
+
+
 def test_a_synchronous_steps_own_cost_is_paid_by_synchronous_replicas_only():
     """sync_overhead_s: 5 ms per step of all-reduce and BSP plans, times the host's share (4 workers
     on 2 cores: 10 ms); nothing for one replica or for asynchronous workers."""

@@ -87,6 +87,7 @@ class ParameterServer:
         self.dropped = 0  # pushes holding NaN or Inf, not applied
         self.refused = 0
         self.busy_seconds = 0.0
+        self.update_seconds = 0.0  # this thread's CPU in optimizer steps (the perf model's per update)
         self._cached: tuple[tuple[int, int], Message] | None = None  # the last OK reply's message
         self._sends: dict[int, tuple[Any, Message]] = {}  # the last reply to each worker
 
@@ -215,9 +216,11 @@ class ParameterServer:
         self.step()
 
     def step(self) -> None:
+        began = time.thread_time()
         self.optimizer.step()
         self.param.grad.zero_()
         self.version += 1
+        self.update_seconds += time.thread_time() - began
 
     def _slowest(self) -> int:
         return min(self.clocks.values())
@@ -300,6 +303,7 @@ def serve(slices: list[ParameterServer],
             "staleness": _merged(s.staleness for s in slices),
             "read_staleness": _merged(s.read_staleness for s in slices),
             "busy_seconds": sum(s.busy_seconds for s in slices),  # handling requests (wall clock)
+            "update_cpu_seconds": sum(s.update_seconds for s in slices),
             "cpu_seconds": time.process_time() - cpu}  # all threads, the receiving ones included
 
 

@@ -23,7 +23,7 @@ import torch
 
 from paraloom.errors import UserError
 from paraloom.perfmodel import machine_profile
-from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, TCP_CPU_INTRA, tcp_cpu_per_byte
+from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, SERVER_PER_UPDATE, TCP_CPU_INTRA, tcp_cpu_per_byte
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
@@ -205,7 +205,8 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
       does not move the constants when there are three repeats or more. Two slow ones still do:
       two single-worker MLP runs at 16.5 and 15.7 ms, against 13.7-14.8 ms, once fitted the
       overhead 2 ms high and the sync cost to 0.
-    - parameter-server runs: `ps.server_s_per_message` (`server_cpu_per_message`), averaged.
+    - parameter-server runs: `ps.server_s_per_message` and `ps.server_s_per_update`
+      (`server_cpu_per_message`), each averaged over the runs that measured it.
     """
     summaries = {run: _finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
@@ -223,8 +224,12 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     if ps_runs:
         per_message = [server_cpu_per_message(summaries[run], refined) for run in ps_runs]
         points += [{"run": str(run), **m} for run, m in zip(ps_runs, per_message, strict=True)]
-        value = statistics.fmean(m["server_s_per_message"] for m in per_message)
-        refined = replace(refined, constants={**refined.constants, SERVER_PER_MESSAGE: max(0.0, value)})
+        fitted = {key: statistics.fmean(m[name] for m in per_message if name in m)
+                  for key, name in ((SERVER_PER_MESSAGE, "server_s_per_message"),
+                                    (SERVER_PER_UPDATE, "server_s_per_update"))
+                  if any(name in m for m in per_message)}
+        refined = replace(refined, constants={**refined.constants,
+                                              **{k: max(0.0, v) for k, v in fitted.items()}})
     if dp_runs:
         residuals = [sync_residual(run, summaries[run], refined) for run in dp_runs]
         points += [{"run": str(run), **r} for run, r in zip(dp_runs, residuals, strict=True)]
@@ -274,12 +279,16 @@ def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
 
 def server_cpu_per_message(summary: dict[str, Any], hw: Hardware) -> dict[str, float]:
     """A parameter-server run's servers' CPU seconds per request (a push or a read of one slice,
-    answered by one reply), once the TCP cost of the bytes they moved is taken out.
+    answered by one reply), once the TCP cost of the bytes they moved and the optimizer steps
+    they took are taken out, and per optimizer step of a slice.
 
-    A server's CPU also decodes, sums, updates and copies its shard, and wakes a thread per
-    message; those costs scale with messages, not with the link. Bytes moved per step: every
-    worker's push and pull (`comm_bytes_per_step`), spread over the servers; TCP CPU per byte:
-    loopback's for a run on one node, else half the 2-node all-reduce's (`strategies`).
+    A server's CPU also decodes, sums and copies its shard, and wakes a thread per message; those
+    costs scale with messages, not with the link. Its optimizer steps scale with updates: one a
+    slice and clock under BSP however many workers push, one a push under ASP and SSP; the server
+    times them on its own thread (`update_cpu_seconds`; a summary from before has no such figure,
+    and its per-message cost then holds the updates). Bytes moved per step: every worker's push
+    and pull (`comm_bytes_per_step`), spread over the servers; TCP CPU per byte: loopback's for a
+    run on one node, else half the 2-node all-reduce's (`strategies`).
     """
     steps, workers = summary["steps"], summary["workers"]
     stats = summary["servers_stats"]
@@ -287,8 +296,12 @@ def server_cpu_per_message(summary: dict[str, Any], hw: Hardware) -> dict[str, f
     messages = sum(s["slices"] for s in stats) * workers * steps
     moved = summary["comm_bytes_per_step"] * workers * steps
     per_byte = tcp_cpu_per_byte(hw, inter=summary.get("nodes", 1) > 1)
-    return {"server_cpu_s_per_step": cpu / steps / len(stats),
-            "server_s_per_message": (cpu - moved * per_byte) / messages}
+    fitted = {"server_cpu_s_per_step": cpu / steps / len(stats)}
+    if all("update_cpu_seconds" in s for s in stats) and sum(s["updates"] for s in stats):
+        updating = sum(s["update_cpu_seconds"] for s in stats)
+        fitted["server_s_per_update"] = updating / sum(s["updates"] for s in stats)
+        cpu -= updating
+    return {**fitted, "server_s_per_message": (cpu - moved * per_byte) / messages}
 
 
 def measured_step_seconds(run: Path) -> float:

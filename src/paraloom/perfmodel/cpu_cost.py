@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 TCP_CPU_INTRA = "tcp_cpu_s_per_byte.intra"  # a process's CPU per byte over loopback (paraloom calibrate)
 SERVER_PER_MESSAGE = "ps.server_s_per_message"  # a parameter server's CPU per request, bytes aside
+SERVER_PER_UPDATE = "ps.server_s_per_update"  # its CPU per optimizer step of one slice
 WIRE_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}  # what a compressor all-reduces; the rest: fp32 bytes
 
 
@@ -53,12 +54,18 @@ def crosses_nodes(hw: Hardware, plan: Plan) -> bool:
 def server_cpu(hw: Hardware, plan: Plan, opts: Options, push_bytes: float, grad_bytes: float) -> float:
     """One parameter server's CPU seconds per step: every worker's push and pull of its shard at the
     link's TCP cost, plus per request (a slice's push or read, and its reply) the decoding, summing,
-    updating, copying and thread wake-ups the bytes do not explain (`ps.server_s_per_message`,
-    fitted by `paraloom calibrate --from` on a parameter-server run; 0 where not fitted)."""
+    copying and thread wake-ups the bytes do not explain (`ps.server_s_per_message`), plus per
+    optimizer step of a slice (`ps.server_s_per_update`): BSP steps each slice once a clock, ASP
+    and SSP once a push. Both fitted by `paraloom calibrate --from` on a parameter-server run (a
+    run from before the server timed its steps fits the first alone, the updates inside); 0 where
+    not fitted."""
     moved = plan.dp * (push_bytes + grad_bytes) / plan.servers
-    messages = plan.dp * ps_slices(grad_bytes, plan, opts)
+    slices = ps_slices(grad_bytes, plan, opts)
+    updates = slices if plan.consistency == "bsp" else plan.dp * slices
     per_message = hw.constants.get(SERVER_PER_MESSAGE, 0.0)
-    return moved * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan)) + messages * per_message
+    per_update = hw.constants.get(SERVER_PER_UPDATE, 0.0)
+    return (moved * tcp_cpu_per_byte(hw, crosses_nodes(hw, plan)) + plan.dp * slices * per_message
+            + updates * per_update)
 
 
 def comm_cpu(hw: Hardware, plan: Plan, grad_bytes: float) -> float:

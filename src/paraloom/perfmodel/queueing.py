@@ -42,7 +42,10 @@ def asp_cycle(workers: int, servers: int, push_s: float, pull_s: float, worker_s
     overlaps its push of the next, so its push and pull visit the servers' links as one station
     whose demand is the longer transfer and the last slice of the shorter (as `network.ps_time`).
     `server_cpu_s`: the CPU seconds the servers spend on one worker's push and pull (moving its
-    bytes; the servers together, one more station) where that CPU is what they wait on.
+    bytes, handling its messages). With one message a shard it is one more station, after the
+    link; with `slices` > 1 a server's receiving threads take in the next slice while it handles
+    the last, so its link and CPU are one station too: the longer of the two and a slice of the
+    shorter (BSP's model takes the longer of the two whole, `ps_sync.ps_bsp_sync`).
     """
     cpu = [server_cpu_s] if server_cpu_s > 0 else []
     if slices <= 1:
@@ -50,4 +53,6 @@ def asp_cycle(workers: int, servers: int, push_s: float, pull_s: float, worker_s
         own = (push_s - push_s / servers) + (pull_s - pull_s / servers)
         return mva_cycle(workers, demands + cpu, worker_s + own)
     both = max(push_s, pull_s) + min(push_s, pull_s) / slices
-    return mva_cycle(workers, [both / servers, *cpu], worker_s + both - both / servers)
+    link = both / servers
+    station = max(link, server_cpu_s) + min(link, server_cpu_s) / slices
+    return mva_cycle(workers, [station], worker_s + both - link)
