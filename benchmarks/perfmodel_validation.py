@@ -65,8 +65,8 @@ STEPS = {"100mbit": 40, "1gbit": 80, "10gbit": 200}
 LOG_EVERY = 10
 REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the MLP's three times
 # the parameter server's refinement run per rate (one worker's step measured 98 ms at 1 Gbit/s and
-# 57 ms at 10 Gbit/s; at 100 Mbit/s its 17.7 MB take over 0.7 s): its CPU per message is a mean over
-# every step
+# 57 ms at 10 Gbit/s; at 100 Mbit/s its 17.7 MB take over 0.7 s): its CPU per message and per update
+# are means over every step
 REFINE_PS_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
