@@ -74,8 +74,9 @@ def _straight(rank, world, name, run_dir):
 def _killed(name: str, out: Path) -> subprocess.CompletedProcess:
     workers, _, _ = CASES[name]
     # after a sealed checkpoint (ps: every 40, others: every 3). Rank 0 seals a checkpoint behind
-    # training, and the next save waits for it: a kill at step 5 once came before step 3's was sealed
-    # (dp2xtp2, in CI), and the restart began again from nothing, with the NaN at step 2 not fired again
+    # training, and the next save waits for it. A kill at step 5 most likely once came before step 3's
+    # was sealed (dp2xtp2, in CI: restarted, 14 steps, none skipped), so the restart began again from
+    # nothing, where the NaN of step 2 does not fire a second time
     kill_step = 50 if name.startswith("ps") else 7
     sets = [arg for s in _settings(name) for arg in ("--set", s)]
     cmd = [sys.executable, "-m", "paraloom", "train", "--nproc", str(workers), *sets,
