@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from paraloom import launch
+from paraloom import launch, prestart
+from paraloom.cli import train as cli_train
 from paraloom.config import load_config
 from paraloom.errors import WorkersFailed
 
@@ -50,3 +51,35 @@ def test_cpu_runs_fork_from_a_forkserver_and_gpu_runs_spawn(monkeypatch, tmp_pat
     monkeypatch.setattr(launch.multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
     launch.launch_local(load_config(None, ["run.device=cpu"]), tmp_path, started_at=0.0)
     assert seen[-1] == "spawn"
+
+
+def _parent(_: bool) -> int:
+    return os.getppid()
+
+
+@pytest.mark.timeout(180)
+def test_a_forkserver_started_early_is_the_one_the_launch_forks_from_and_it_leaves_with_it():
+    prestart.start()  # as `paraloom train` does before importing torch
+    server = forkserver._forkserver._forkserver_pid
+    assert server is not None
+    out = launch.elastic_run(_parent, (False,), nproc=2, start_method="forkserver")
+    assert set(out.values()) == {server}  # no second server: the workers forked from the early one
+    assert forkserver._forkserver._forkserver_pid is None and not multiprocessing.active_children()
+    # a server no launch took (one an earlier launch left) is not reused: it holds its own environment
+    prestart.start()
+    prestart.take()
+    prestart.take()
+    assert forkserver._forkserver._forkserver_pid is None
+    prestart.stop()
+
+
+def test_paraloom_train_starts_the_forkserver_early_only_for_cpu_workers_on_this_machine(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prestart, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(cli_train, "_train_on", lambda *a, **k: (_ for _ in ()).throw(SystemExit(0)))
+    for device, gpu, expected in (("cpu", True, ["start"]), ("auto", False, ["start"]), ("auto", True, [])):
+        monkeypatch.setattr(prestart, "gpu_visible", lambda gpu=gpu: gpu)
+        calls.clear()
+        with pytest.raises(SystemExit):
+            cli_train.train(set_=[f"run.device={device}", "run.hardware=none"], nproc=2)
+        assert calls == expected, (device, gpu)

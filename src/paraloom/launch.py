@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import uuid
 from collections.abc import Callable
-from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +12,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from paraloom import worker
+from paraloom import prestart, worker
 from paraloom.config import Config
 from paraloom.errors import WorkersFailed
-
-# What a worker imports before its first step: torch, its distributed stack and dynamo (which
-# torch.optim imports), and the loop. A forkserver imports them once per launch and forks each
-# worker, and each restarted worker, from there: a start of a fraction of a second where a spawned
-# interpreter takes seconds to import them again.
-PRELOAD = ["paraloom.worker", "paraloom.train"]
 
 
 def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = "127.0.0.1",
@@ -30,13 +23,12 @@ def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = 
 
     Rendezvous stays on `host` (loopback by default): nothing listens beyond this machine.
     `fn` must be importable (workers are spawned, or forked from a forkserver that imported
-    `PRELOAD`) and set GLOO_SOCKET_IFNAME itself if needed. When a worker fails, the agent stops the
-    others and starts all of them again, up to `max_restarts` times (each start sees
-    TORCHELASTIC_RESTART_COUNT).
+    `prestart.PRELOAD`) and set GLOO_SOCKET_IFNAME itself if needed. When a worker fails, the agent
+    stops the others and starts all of them again, up to `max_restarts` times (each start sees
+    TORCHELASTIC_RESTART_COUNT), forked from the same server.
     """
     if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        _stop_forkserver()  # one started by an earlier launch holds that launch's environment
+        prestart.take()  # the server `paraloom train` started for this launch, or a new one
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
@@ -50,16 +42,7 @@ def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = 
                             + (f": {cause}" if cause else ""), failure.exitcode) from None
     finally:
         if start_method == "forkserver":
-            _stop_forkserver()
-
-
-def _stop_forkserver() -> None:
-    """Stop this process's forkserver, if one runs, and reap it: nothing of a launch outlives it.
-    (The server would stop by itself once this process exits; CPython's own tests stop it so.)"""
-    server = getattr(forkserver, "_forkserver", None)
-    stop = getattr(server, "_stop", None)
-    if stop is not None:
-        stop()
+            prestart.stop()
 
 
 def _first_cause(item: tuple[int, Any]) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import time
@@ -12,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from paraloom import prestart
 from paraloom.cli.options import cluster_from_options
 from paraloom.config import load_config
 from paraloom.config_help import section_keys
@@ -71,7 +73,8 @@ def train(
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     node_range = cfg.run.node_range()  # without a cluster: as many local nodes (cluster/local.py)
-    with cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) as nodes:
+    with cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) as nodes, \
+            _forkserver(early=nodes is None and (cfg.run.device == "cpu" or not prestart.gpu_visible())):
         world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
         if nodes and cfg.parallel.mode == "ps":  # on a cluster the servers take processes of their own
             world -= cfg.ps.servers
@@ -103,6 +106,18 @@ def train(
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
     print_contract(summary.get("contract"))
+
+
+@contextlib.contextmanager
+def _forkserver(early: bool):
+    """CPU workers on this machine: their forkserver imports the training stack from now on, beside
+    this launcher's own imports (`prestart`); stopped however the command ends."""
+    if early:
+        prestart.start()
+    try:
+        yield
+    finally:
+        prestart.stop()
 
 
 def _needs_preflight(cfg) -> bool:
