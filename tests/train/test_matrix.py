@@ -33,7 +33,7 @@ GPT = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=1
 # land close to one another (5 pairs each of straight and killed runs: SSP 0.903-0.914 with it,
 # 0.905-0.933 at a constant rate; ASP 0.900-0.914 with it)
 DIGITS = ["model.name=mlp", "model.hidden=32", "data.batch_size=64", "optim.epochs=8",
-          "optim.schedule=cosine", "run.checkpoint_every=40"]
+          "optim.schedule=cosine", "run.checkpoint_every=20"]
 FEATURES = ["optim.epochs=2", "run.checkpoint_every=3", "run.eval_every_epoch=true", "run.trace=true",
             "run.trace_steps=2", "run.log_every=2", "run.save_model=true"]
 NAN = "nan:rank=0,step=2"
@@ -73,10 +73,11 @@ def _straight(rank, world, name, run_dir):
 
 def _killed(name: str, out: Path) -> subprocess.CompletedProcess:
     workers, _, _ = CASES[name]
-    # after a sealed checkpoint (ps: every 40, others: every 3). Rank 0 seals a checkpoint behind
+    # after a sealed checkpoint (ps: every 20, others: every 3). Rank 0 seals a checkpoint behind
     # training, and the next save waits for it. A kill at step 5 most likely once came before step 3's
     # was sealed (dp2xtp2, in CI: restarted, 14 steps, none skipped), so the restart began again from
-    # nothing, where the NaN of step 2 does not fire a second time
+    # nothing, where the NaN of step 2 does not fire a second time. So each kill comes after a second
+    # save, which waited for the first one's seal (ps: 20 and 40, kill at 50; others: 3 and 6, kill at 7)
     kill_step = 50 if name.startswith("ps") else 7
     sets = [arg for s in _settings(name) for arg in ("--set", s)]
     cmd = [sys.executable, "-m", "paraloom", "train", "--nproc", str(workers), *sets,
