@@ -83,3 +83,11 @@ def test_paraloom_train_starts_the_forkserver_early_only_for_cpu_workers_on_this
         with pytest.raises(SystemExit):
             cli_train.train(set_=[f"run.device={device}", "run.hardware=none"], nproc=2)
         assert calls == expected, (device, gpu)
+
+
+def test_no_forkserver_is_started_where_the_platform_has_none(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
+    prestart.start()
+    prestart.stop()
+    monkeypatch.undo()
+    assert getattr(forkserver._forkserver, "_forkserver_pid", None) is None

@@ -15,7 +15,6 @@ import glob
 import multiprocessing
 import os
 import signal
-from multiprocessing import forkserver
 
 PRELOAD = ["paraloom.worker", "paraloom.train"]
 
@@ -28,6 +27,10 @@ def start() -> None:
     in its own process, and a launch's first fork waits for it."""
     global _fresh
     stop()
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # as on Windows: workers spawn
+        return
+    from multiprocessing import forkserver
+
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     _fresh = True
@@ -52,6 +55,10 @@ def stop() -> None:
     (what its own tests stop it with) then reaps it and removes the socket as it would have."""
     global _fresh
     _fresh = False
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    from multiprocessing import forkserver
+
     server = getattr(forkserver, "_forkserver", None)
     halt = getattr(server, "_stop", None)
     if halt is None:
