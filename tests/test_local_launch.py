@@ -85,6 +85,28 @@ def test_paraloom_train_starts_the_forkserver_early_only_for_cpu_workers_on_this
         assert calls == expected, (device, gpu)
 
 
+def test_a_first_use_calibration_runs_before_the_forkserver_starts(monkeypatch, tmp_path):
+    """The calibration measures this machine's compute: not while a server imports torch beside it."""
+    calls = []
+    monkeypatch.setattr(prestart, "start", lambda: calls.append("start"))
+    monkeypatch.setattr(prestart, "gpu_visible", lambda: False)
+    monkeypatch.setattr(cli_train, "_calibrate_once", lambda cfg: calls.append("calibrate"))
+    monkeypatch.setattr(cli_train, "_train_on", lambda *a, **k: (_ for _ in ()).throw(SystemExit(0)))
+    monkeypatch.delenv("PARALOOM_HARDWARE", raising=False)
+    monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))  # nothing cached: the run calibrates first
+    with pytest.raises(SystemExit):
+        cli_train.train(set_=["run.device=cpu"], nproc=2)
+    assert calls == ["calibrate", "start"]
+    calls.clear()
+    from paraloom.config_world import threads_per_worker
+    from paraloom.perfmodel.machine_profile import cached_path
+
+    cached_path(threads_per_worker(2)).write_text("{}")  # a profile cached: the server starts at once
+    with pytest.raises(SystemExit):
+        cli_train.train(set_=["run.device=cpu"], nproc=2)
+    assert calls == ["start", "calibrate"]
+
+
 def test_no_forkserver_is_started_where_the_platform_has_none(monkeypatch):
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])  # as on Windows
     prestart.start()

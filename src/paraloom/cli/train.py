@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -74,7 +75,10 @@ def train(
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     node_range = cfg.run.node_range()  # without a cluster: as many local nodes (cluster/local.py)
     with cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) as nodes, \
-            _forkserver(early=nodes is None and (cfg.run.device == "cpu" or not prestart.gpu_visible())):
+            _stopping_forkserver():
+        forks, calibrates = _forks_here(cfg, nodes), _calibrates_first(cfg)
+        if forks and not calibrates:
+            prestart.start()  # CPU workers here: their server imports beside this launcher's imports
         world = cfg.parallel.nproc * (nodes.nodes if nodes else 1)
         if nodes and cfg.parallel.mode == "ps":  # on a cluster the servers take processes of their own
             world -= cfg.ps.servers
@@ -92,32 +96,54 @@ def train(
             from paraloom.preflight import preflight
 
             preflight(cfg, world)
-        if cfg.run.hardware == "auto":  # the profile the run predicts itself from, measured once
-            from paraloom.config_world import threads_per_worker
-            from paraloom.perfmodel.calibrate import calibrate_once
-
-            console = Console(stderr=True)
-            try:
-                calibrate_once(threads_per_worker(cfg.parallel.nproc),
-                               progress=lambda line: console.print(f"paraloom: {line}", highlight=False))
-            except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
-                console.print(f"paraloom: note: calibrating this machine failed ({type(exc).__name__}: "
-                              f"{exc}); the run will not predict itself", highlight=False)
+        _calibrate_once(cfg)
+        if forks and calibrates:
+            prestart.start()  # only now: the first-use calibration measured a machine at rest
         summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
     print_summary(summary, run_dir)
     print_contract(summary.get("contract"))
 
 
+def _calibrate_once(cfg) -> None:
+    """`run.hardware=auto`: the profile the run predicts itself from, measured on first use and cached."""
+    if cfg.run.hardware != "auto":
+        return
+    from paraloom.config_world import threads_per_worker
+    from paraloom.perfmodel.calibrate import calibrate_once
+
+    console = Console(stderr=True)
+    try:
+        calibrate_once(threads_per_worker(cfg.parallel.nproc),
+                       progress=lambda line: console.print(f"paraloom: {line}", highlight=False))
+    except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
+        console.print(f"paraloom: note: calibrating this machine failed ({type(exc).__name__}: "
+                      f"{exc}); the run will not predict itself", highlight=False)
+
+
 @contextlib.contextmanager
-def _forkserver(early: bool):
-    """CPU workers on this machine: their forkserver imports the training stack from now on, beside
-    this launcher's own imports (`prestart`); stopped however the command ends."""
-    if early:
-        prestart.start()
+def _stopping_forkserver():
+    """A forkserver started early (`prestart`) is stopped however the command ends."""
     try:
         yield
     finally:
         prestart.stop()
+
+
+def _forks_here(cfg, nodes) -> bool:
+    """Whether the workers are CPU workers on this machine, forked from a forkserver
+    (`launch.launch_local`), as far as can be told before importing torch: no cluster or local
+    nodes, and `run.device=cpu` or no GPU device to be seen."""
+    return nodes is None and (cfg.run.device == "cpu" or not prestart.gpu_visible())
+
+
+def _calibrates_first(cfg) -> bool:
+    """Whether this run measures the machine first (`run.hardware=auto`, nothing cached yet)."""
+    from paraloom.config_world import threads_per_worker
+    from paraloom.perfmodel.machine_profile import cached_path
+
+    if cfg.run.hardware != "auto" or os.environ.get("PARALOOM_HARDWARE"):
+        return False
+    return not cached_path(threads_per_worker(cfg.parallel.nproc)).is_file()
 
 
 def _needs_preflight(cfg) -> bool:
