@@ -16,6 +16,10 @@
    across the 10 Gbit/s emulated link (most likely the kernel's work per packet, not measured
    apart); refined on loopback, both parameter-server configurations at 10 Gbit/s were
    under-predicted by 25-32%.
+   And per link rate a priority piece's cost past the calibrated latency, from a 2-worker run with
+   1 MB pieces across that rate's emulated link (the validated priority runs use 2 MB): on 4
+   workers at 10 Gbit/s priority measured 35-47 ms a step over wait_free where the model, charging
+   each piece the idle latency, gave 1-25 ms.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -65,10 +69,13 @@ GPT_VARIANTS = {"gpt_dp2": [], "gpt_tp2": ["parallel.tp=2"],
 STEPS = {"100mbit": 40, "1gbit": 80, "10gbit": 200}
 LOG_EVERY = 10
 REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the MLP's three times
-# the parameter server's refinement run per rate (one worker's step measured 98 ms at 1 Gbit/s and
-# 57 ms at 10 Gbit/s; at 100 Mbit/s its 17.7 MB take over 0.7 s): its CPU per message and per update
-# are means over every step
-REFINE_PS_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
+# the refinement's runs across each rate's emulated link: the parameter server's (one worker's step
+# measured 98 ms at 1 Gbit/s and 57 ms at 10 Gbit/s; at 100 Mbit/s its 17.7 MB take over 0.7 s; its
+# CPU per message and per update are means over every step) and the priority scheduler's
+REFINE_LINK_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
+# the priority scheduler's refinement run: 2 workers with 1 MB pieces (11 a step), twice the
+# validated runs' count at its default 2 MB, so that the fit is not the validated configuration
+PIECE_RUN = [*MLP, "comm.scheduler=priority", "comm.partition_mb=1"]
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
 # and one configuration measured once moved by up to 45% between runs of this benchmark (wait_free
@@ -159,8 +166,11 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
             console.print(f"calibrating: a parameter server's CPU per message and update at {rate} "
                           "(1 worker, 1 server)")
             server = train(out, f"refine ps {rate}", [*MLP, *PS_VARIANTS["ps_bsp"]],
-                           ["--emulate", f"2x{rate}"], steps=REFINE_PS_STEPS[rate])
-            hw, points = refine(hw, [*refine_runs, server])
+                           ["--emulate", f"2x{rate}"], steps=REFINE_LINK_STEPS[rate])
+            console.print(f"calibrating: a priority piece's cost at {rate} (2 workers, 1 MB pieces)")
+            pieces = train(out, f"refine priority {rate}", PIECE_RUN, ["--emulate", f"2x{rate}"],
+                           steps=REFINE_LINK_STEPS[rate])
+            hw, points = refine(hw, [*refine_runs, server, pieces])
             report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points,
                                         "white_profile": white}
             hardware = out / f"hardware-{rate}.yaml"

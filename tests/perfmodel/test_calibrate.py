@@ -143,6 +143,40 @@ def test_refine_takes_the_synchronous_steps_own_cost_from_a_data_parallel_run(tm
     assert again.constants["sync_overhead_s"] == pytest.approx(0.003)
 
 
+def test_refine_takes_a_priority_pieces_cost_from_a_priority_run_alone(tmp_path):
+    """A 2-worker fifo run fits sync_overhead_s as before; three 2-worker priority runs measured
+    0.2, 0.5 and 0.3 ms per piece and ring step past the model (the default MLP in 10 kB pieces):
+    piece_overhead_s = 0.3 ms, the median, and the fifo run's fit is left as it was."""
+    hw = load_hardware("v100-10gbe")
+    fifo_cfg = {"model": {"name": "mlp"}, "parallel": {"nproc": 2}, "comm": {"scheduler": "fifo"}}
+    prio_cfg = {"model": {"name": "mlp"}, "parallel": {"nproc": 2},
+                "comm": {"scheduler": "priority", "partition_mb": 0.01}}
+
+    def dp_run(name, cfg, seconds):
+        run = _fake_run(tmp_path, name, cfg, seconds)
+        summary = json.loads((run / "summary.json").read_text())
+        summary.update({"world_size": 2, "comm_seconds_per_step": 0.004})
+        (run / "summary.json").write_text(json.dumps(summary))
+        return run
+
+    what = predictable(Config.from_dict(fifo_cfg), 2)
+    e = estimate(profile_model(what.spec), hw, what.plan, what.global_batch, what.options)
+    fifo = dp_run("fifo", fifo_cfg, e.step_s - e.breakdown["dp_comm_exposed"] + 0.004 + 0.002)
+    alone, _ = refine(hw, [fifo])
+    assert alone.constants["sync_overhead_s"] == pytest.approx(0.002)
+    what = predictable(Config.from_dict(prio_cfg), 2)
+    e = estimate(profile_model(what.spec), alone, what.plan, what.global_batch, what.options)
+    charged = replace(alone, constants={**alone.constants, "piece_overhead_s": 1e-3})
+    unit = (estimate(profile_model(what.spec), charged, what.plan, what.global_batch, what.options).step_s
+            - e.step_s) / 1e-3
+    assert unit >= 2 * 10  # 10 pieces or more, 2 latency steps each
+    runs = [dp_run(f"prio{i}", prio_cfg, e.step_s + cost * unit) for i, cost in enumerate((2e-4, 5e-4, 3e-4))]
+    refined, points = refine(hw, [fifo, *runs])
+    assert refined.constants["piece_overhead_s"] == pytest.approx(3e-4)
+    assert refined.constants["sync_overhead_s"] == pytest.approx(0.002)  # the priority runs are not in it
+    assert [p["piece_units"] for p in points[-3:]] == pytest.approx([unit] * 3)
+
+
 def test_a_runs_step_is_the_median_logged_interval_after_the_first(tmp_path):
     run = _fake_run(tmp_path, "dp", {"model": {"name": "mlp"}, "data": {"batch_size": 64}}, 1.0)
     rates = [10.0, 6400.0, 3200.0, 640.0]  # a slow first interval (warm-up), then 10, 20 and 100 ms

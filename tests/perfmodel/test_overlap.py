@@ -6,6 +6,7 @@ from paraloom.perfmodel.overlap import (
     LayerTimes,
     fifo_exposed,
     one_step_delay_exposed,
+    piece_count,
     priority_exposed,
     total_comm,
     wait_free_exposed,
@@ -60,6 +61,27 @@ def test_priority_pieces_in_flight_overlap_their_latency_with_the_bytes_before()
 def test_priority_coarsens_pieces_but_keeps_the_bytes():
     many = [LayerTimes(0.0, 0.0, 1e6)] * 10
     assert priority_exposed(many, send, 1.0, max_pieces=100) == pytest.approx(1e5, rel=1e-9)
+
+
+@pytest.mark.parametrize("partition_mb", [0.5, 1.0, 2.0, 8.0, 32.0])
+def test_pieces_are_counted_as_the_priority_engine_cuts_them(partition_mb):
+    """The MLP the validation runs (64 -> 1024 -> 1024 -> 1024 -> 10), its parameters in backward
+    order grouped by the engine's own `assign_buckets` with the partition as both caps, each
+    bucket cut into partitions (`cut_pieces`): the model's count, at the granularity of layers."""
+    import math
+
+    import torch
+
+    from paraloom.data_parallel.bucket import assign_buckets
+
+    shapes = [(64, 1024), (1024, 1024), (1024, 1024), (1024, 10)]
+    layers = [LayerTimes(0.0, 0.0, 4.0 * (i * o + o)) for i, o in shapes]
+    sizes = [(4 * n, torch.float32) for i, o in reversed(shapes) for n in (o, i * o)]  # bias, weight
+    cap = int(partition_mb * 2**20)
+    buckets = assign_buckets(sizes, cap, cap)
+    engine = sum(math.ceil(sum(sizes[j][0] for j in members) / cap) for members in buckets)
+    assert piece_count(layers, cap) == engine
+    assert piece_count([], cap) == 0
 
 
 def test_one_step_delay_hides_up_to_a_whole_step():

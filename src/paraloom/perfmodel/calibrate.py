@@ -28,7 +28,7 @@ from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
 from paraloom.perfmodel.storage import READ_BANDWIDTH, measure_read_rate
-from paraloom.perfmodel.strategies import SYNC_OVERHEAD, estimate, host_slowdown
+from paraloom.perfmodel.strategies import PIECE_OVERHEAD, SYNC_OVERHEAD, estimate, host_slowdown
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
@@ -207,6 +207,10 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
       overhead 2 ms high and the sync cost to 0.
     - parameter-server runs: `ps.server_s_per_message` and `ps.server_s_per_update`
       (`server_cpu_per_message`), each averaged over the runs that measured it.
+    - data-parallel runs with the priority scheduler: `piece_overhead_s`, what a piece costs per
+      latency step of its all-reduce past the calibrated latency, per core's share of the host
+      (`piece_residual`), the median over them; fitted after `sync_overhead_s`, which comes from
+      the other data-parallel runs only.
     """
     summaries = {run: _finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
@@ -230,12 +234,34 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
                   if any(name in m for m in per_message)}
         refined = replace(refined, constants={**refined.constants,
                                               **{k: max(0.0, v) for k, v in fitted.items()}})
-    if dp_runs:
-        residuals = [sync_residual(run, summaries[run], refined) for run in dp_runs]
-        points += [{"run": str(run), **r} for run, r in zip(dp_runs, residuals, strict=True)]
+    priority = [run for run in dp_runs if _finished(run)[1].comm.scheduler == "priority"]
+    plain = [run for run in dp_runs if run not in priority]
+    if plain:
+        residuals = [sync_residual(run, summaries[run], refined) for run in plain]
+        points += [{"run": str(run), **r} for run, r in zip(plain, residuals, strict=True)]
         value = statistics.median(r["sync_overhead_s"] for r in residuals)
         refined = replace(refined, constants={**refined.constants, SYNC_OVERHEAD: max(0.0, value)})
+    if priority:
+        residuals = [piece_residual(run, refined) for run in priority]
+        points += [{"run": str(run), **r} for run, r in zip(priority, residuals, strict=True)]
+        value = statistics.median(r[PIECE_OVERHEAD] for r in residuals)
+        refined = replace(refined, constants={**refined.constants, PIECE_OVERHEAD: max(0.0, value)})
     return refined, points
+
+
+def piece_residual(run: Path, hw: Hardware) -> dict[str, float]:
+    """A priority run's step past the model's prediction without a cost per piece, per unit that
+    `piece_overhead_s` is charged in (pieces x latency steps x host share): the scheduler's
+    wake-ups and deferred updates on the cores its compute shares. The model is linear in the
+    constant, so the unit is read from two predictions 1 ms apart."""
+    base = replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 0.0})
+    measured, pred = _measured_and_predicted(run, base)
+    _, unit = _measured_and_predicted(run, replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 1e-3}))
+    per_unit = (unit.step_s - pred.step_s) / 1e-3
+    if per_unit <= 0:
+        raise UserError(f"{str(run)!r}: its plan sends no priority pieces the model can charge")
+    return {"measured_s": measured, "predicted_s": pred.step_s, "piece_units": per_unit,
+            PIECE_OVERHEAD: (measured - pred.step_s) / per_unit}
 
 
 def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str, float]:

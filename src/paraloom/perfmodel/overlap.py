@@ -124,6 +124,18 @@ def priority_exposed(layers: Sequence[LayerTimes], send: SendTime, partition_byt
     return max(0.0, clock - backward - forward)
 
 
+def piece_count(layers: Sequence[LayerTimes], partition_bytes: float) -> int:
+    """Pieces the priority scheduler sends a step: gradients gathered in backward order until they
+    hold a partition, then cut into partitions (data_parallel/configure.py `assign_buckets` with
+    the partition as both caps, then `cut_pieces`), here at the granularity of layers."""
+    pieces, filled = 0, 0.0
+    for layer in reversed(layers):
+        filled += layer.grad_bytes
+        if filled >= partition_bytes:
+            pieces, filled = pieces + math.ceil(filled / partition_bytes), 0.0
+    return pieces + (filled > 0)
+
+
 def one_step_delay_exposed(layers: Sequence[LayerTimes], send: SendTime, bucket_bytes: float) -> float:
     """The whole synchronization hides behind the next step's compute, as far as that lasts."""
     window = sum(layer.fwd_s + layer.bwd_s for layer in layers)
