@@ -16,10 +16,10 @@
    across the 10 Gbit/s emulated link (most likely the kernel's work per packet, not measured
    apart); refined on loopback, both parameter-server configurations at 10 Gbit/s were
    under-predicted by 25-32%.
-   And per link rate a priority piece's cost past the calibrated latency, from a 2-worker run with
-   1 MB pieces across that rate's emulated link (the validated priority runs use 2 MB): on 4
-   workers at 10 Gbit/s priority measured 35-47 ms a step over wait_free where the model, charging
-   each piece the idle latency, gave 1-25 ms.
+   And per link rate a priority piece's cost past the calibrated latency: the slope over pieces of
+   2-worker runs with 1 MB and 4 MB pieces across that rate's emulated link, twice each,
+   interleaved (the validated priority runs use 2 MB): on 4 workers at 10 Gbit/s priority measured
+   35-47 ms a step over wait_free where the model, charging each piece the idle latency, gave 1-25 ms.
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -73,9 +73,10 @@ REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the 
 # measured 98 ms at 1 Gbit/s and 57 ms at 10 Gbit/s; at 100 Mbit/s its 17.7 MB take over 0.7 s; its
 # CPU per message and per update are means over every step) and the priority scheduler's
 REFINE_LINK_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
-# the priority scheduler's refinement run: 2 workers with 1 MB pieces (11 a step), twice the
-# validated runs' count at its default 2 MB, so that the fit is not the validated configuration
-PIECE_RUN = [*MLP, "comm.scheduler=priority", "comm.partition_mb=1"]
+# the priority scheduler's refinement runs: 2 workers with 1 MB and 4 MB pieces (11 and 5 a step),
+# around the validated runs' 7 at the default 2 MB, so that the fit is not a validated configuration;
+# two sizes, so that the link model's error (the same bytes at both) is left out of the slope
+PIECE_SIZES_MB, PIECE_REPEATS = (1, 4), 2
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
 # and one configuration measured once moved by up to 45% between runs of this benchmark (wait_free
@@ -167,10 +168,12 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
                           "(1 worker, 1 server)")
             server = train(out, f"refine ps {rate}", [*MLP, *PS_VARIANTS["ps_bsp"]],
                            ["--emulate", f"2x{rate}"], steps=REFINE_LINK_STEPS[rate])
-            console.print(f"calibrating: a priority piece's cost at {rate} (2 workers, 1 MB pieces)")
-            pieces = train(out, f"refine priority {rate}", PIECE_RUN, ["--emulate", f"2x{rate}"],
-                           steps=REFINE_LINK_STEPS[rate])
-            hw, points = refine(hw, [*refine_runs, server, pieces])
+            console.print(f"calibrating: a priority piece's cost at {rate} (2 workers, 1 and 4 MB pieces)")
+            pieces = [train(out, f"refine priority {rate} {mb}mb {i}",
+                            [*MLP, *MLP_VARIANTS["priority"], f"comm.partition_mb={mb}"],
+                            ["--emulate", f"2x{rate}"], steps=REFINE_LINK_STEPS[rate])
+                      for i in range(PIECE_REPEATS) for mb in PIECE_SIZES_MB]
+            hw, points = refine(hw, [*refine_runs, server, *pieces])
             report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points,
                                         "white_profile": white}
             hardware = out / f"hardware-{rate}.yaml"

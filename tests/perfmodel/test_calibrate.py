@@ -143,38 +143,61 @@ def test_refine_takes_the_synchronous_steps_own_cost_from_a_data_parallel_run(tm
     assert again.constants["sync_overhead_s"] == pytest.approx(0.003)
 
 
-def test_refine_takes_a_priority_pieces_cost_from_a_priority_run_alone(tmp_path):
+def _dp_run(tmp_path, name, cfg, seconds):
+    run = _fake_run(tmp_path, name, cfg, seconds)
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update({"world_size": 2, "comm_seconds_per_step": 0.004})
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def _priority(partition_mb):
+    return {"model": {"name": "mlp"}, "parallel": {"nproc": 2},
+            "comm": {"scheduler": "priority", "partition_mb": partition_mb}}
+
+
+def _units_and_base(hw, cfg):
+    """The model's step for `cfg` without a piece cost, and the units the cost is charged in."""
+    what = predictable(Config.from_dict(cfg), 2)
+    spec = profile_model(what.spec)
+    base = estimate(spec, hw, what.plan, what.global_batch, what.options).step_s
+    charged = replace(hw, constants={**hw.constants, "piece_overhead_s": 1e-3})
+    return (estimate(spec, charged, what.plan, what.global_batch, what.options).step_s - base) / 1e-3, base
+
+
+def test_refine_takes_a_priority_pieces_cost_from_priority_runs(tmp_path):
     """A 2-worker fifo run fits sync_overhead_s as before; three 2-worker priority runs measured
     0.2, 0.5 and 0.3 ms per piece and ring step past the model (the default MLP in 10 kB pieces):
     piece_overhead_s = 0.3 ms, the median, and the fifo run's fit is left as it was."""
     hw = load_hardware("v100-10gbe")
     fifo_cfg = {"model": {"name": "mlp"}, "parallel": {"nproc": 2}, "comm": {"scheduler": "fifo"}}
-    prio_cfg = {"model": {"name": "mlp"}, "parallel": {"nproc": 2},
-                "comm": {"scheduler": "priority", "partition_mb": 0.01}}
-
-    def dp_run(name, cfg, seconds):
-        run = _fake_run(tmp_path, name, cfg, seconds)
-        summary = json.loads((run / "summary.json").read_text())
-        summary.update({"world_size": 2, "comm_seconds_per_step": 0.004})
-        (run / "summary.json").write_text(json.dumps(summary))
-        return run
-
     what = predictable(Config.from_dict(fifo_cfg), 2)
     e = estimate(profile_model(what.spec), hw, what.plan, what.global_batch, what.options)
-    fifo = dp_run("fifo", fifo_cfg, e.step_s - e.breakdown["dp_comm_exposed"] + 0.004 + 0.002)
+    fifo = _dp_run(tmp_path, "fifo", fifo_cfg, e.step_s - e.breakdown["dp_comm_exposed"] + 0.004 + 0.002)
     alone, _ = refine(hw, [fifo])
     assert alone.constants["sync_overhead_s"] == pytest.approx(0.002)
-    what = predictable(Config.from_dict(prio_cfg), 2)
-    e = estimate(profile_model(what.spec), alone, what.plan, what.global_batch, what.options)
-    charged = replace(alone, constants={**alone.constants, "piece_overhead_s": 1e-3})
-    unit = (estimate(profile_model(what.spec), charged, what.plan, what.global_batch, what.options).step_s
-            - e.step_s) / 1e-3
+    unit, base = _units_and_base(alone, _priority(0.01))
     assert unit >= 2 * 10  # 10 pieces or more, 2 latency steps each
-    runs = [dp_run(f"prio{i}", prio_cfg, e.step_s + cost * unit) for i, cost in enumerate((2e-4, 5e-4, 3e-4))]
+    runs = [_dp_run(tmp_path, f"prio{i}", _priority(0.01), base + cost * unit)
+            for i, cost in enumerate((2e-4, 5e-4, 3e-4))]
     refined, points = refine(hw, [fifo, *runs])
     assert refined.constants["piece_overhead_s"] == pytest.approx(3e-4)
     assert refined.constants["sync_overhead_s"] == pytest.approx(0.002)  # the priority runs are not in it
     assert [p["piece_units"] for p in points[-3:]] == pytest.approx([unit] * 3)
+
+
+def test_two_piece_sizes_leave_the_links_own_error_out(tmp_path):
+    """Runs with 10 kB and 40 kB pieces, both 5 ms slower than the model for their bytes (the
+    link's error) and 0.4 ms per unit: the slope gives 0.4 ms where one size alone would take the
+    5 ms for pieces too."""
+    hw = load_hardware("v100-10gbe")
+    runs, single = [], None
+    for mb in (0.01, 0.04):
+        unit, base = _units_and_base(hw, _priority(mb))
+        runs.append(_dp_run(tmp_path, f"prio{mb}", _priority(mb), base + 0.005 + 4e-4 * unit))
+        single = single or 4e-4 + 0.005 / unit
+    assert refine(hw, runs)[0].constants["piece_overhead_s"] == pytest.approx(4e-4)
+    assert refine(hw, runs[:1])[0].constants["piece_overhead_s"] == pytest.approx(single)
 
 
 def test_a_runs_step_is_the_median_logged_interval_after_the_first(tmp_path):

@@ -209,8 +209,10 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
       (`server_cpu_per_message`), each averaged over the runs that measured it.
     - data-parallel runs with the priority scheduler: `piece_overhead_s`, what a piece costs per
       latency step of its all-reduce past the calibrated latency, per core's share of the host
-      (`piece_residual`), the median over them; fitted after `sync_overhead_s`, which comes from
-      the other data-parallel runs only.
+      (`piece_residual`): from runs with two piece sizes or more, the slope of their residuals
+      over their pieces, so that an error of the link's model common to both does not count;
+      from one size, its residual over its pieces. Fitted after `sync_overhead_s`, which comes
+      from the other data-parallel runs only.
     """
     summaries = {run: _finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
@@ -244,16 +246,16 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     if priority:
         residuals = [piece_residual(run, refined) for run in priority]
         points += [{"run": str(run), **r} for run, r in zip(priority, residuals, strict=True)]
-        value = statistics.median(r[PIECE_OVERHEAD] for r in residuals)
+        value, _ = _fit_line([(r["piece_units"], r["residual_s"]) for r in residuals])
         refined = replace(refined, constants={**refined.constants, PIECE_OVERHEAD: max(0.0, value)})
     return refined, points
 
 
 def piece_residual(run: Path, hw: Hardware) -> dict[str, float]:
-    """A priority run's step past the model's prediction without a cost per piece, per unit that
-    `piece_overhead_s` is charged in (pieces x latency steps x host share): the scheduler's
+    """A priority run's step past the model's prediction without a cost per piece, and the units
+    `piece_overhead_s` is charged in there (pieces x latency steps x host share): the scheduler's
     wake-ups and deferred updates on the cores its compute shares. The model is linear in the
-    constant, so the unit is read from two predictions 1 ms apart."""
+    constant, so the units are read from two predictions 1 ms apart."""
     base = replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 0.0})
     measured, pred = _measured_and_predicted(run, base)
     _, unit = _measured_and_predicted(run, replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 1e-3}))
@@ -261,7 +263,21 @@ def piece_residual(run: Path, hw: Hardware) -> dict[str, float]:
     if per_unit <= 0:
         raise UserError(f"{str(run)!r}: its plan sends no priority pieces the model can charge")
     return {"measured_s": measured, "predicted_s": pred.step_s, "piece_units": per_unit,
-            PIECE_OVERHEAD: (measured - pred.step_s) / per_unit}
+            "residual_s": measured - pred.step_s}
+
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) through (x, y) points, repeats of one x taken as their median: through
+    the origin from one x; from two or more, least squares."""
+    repeats: dict[float, list[float]] = {}
+    for x, y in points:
+        repeats.setdefault(round(x, 12), []).append(y)
+    xs, ys = list(repeats), [statistics.median(v) for v in repeats.values()]
+    if len(xs) == 1:
+        return ys[0] / xs[0], 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return a, my - a * mx
 
 
 def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str, float]:
@@ -279,17 +295,8 @@ def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str,
 
 
 def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
-    repeats: dict[float, list[float]] = {}  # predicted compute -> its runs' measured step less the rest
-    for p in points:
-        repeats.setdefault(p["compute_s"], []).append(p["measured_s"] - (p["predicted_s"] - p["compute_s"]))
-    xs = list(repeats)
-    ys = [statistics.median(v) for v in repeats.values()]
-    if len(xs) == 1:
-        a, c = sum(ys) / sum(xs), 0.0
-    else:
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-        c = my - a * mx
+    # predicted compute -> the run's measured step less the rest of its prediction
+    a, c = _fit_line([(p["compute_s"], p["measured_s"] - p["predicted_s"] + p["compute_s"]) for p in points])
     if a <= 0:
         raise UserError("the runs do not fit a positive compute scale; give runs with different models "
                         "or batch sizes")
