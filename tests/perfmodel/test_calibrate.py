@@ -182,22 +182,29 @@ def test_refine_takes_a_priority_pieces_cost_from_priority_runs(tmp_path):
             for i, cost in enumerate((2e-4, 5e-4, 3e-4))]
     refined, points = refine(hw, [fifo, *runs])
     assert refined.constants["piece_overhead_s"] == pytest.approx(3e-4)
+    assert refined.constants["priority_overhead_s"] == 0.0  # one piece size: through the origin
     assert refined.constants["sync_overhead_s"] == pytest.approx(0.002)  # the priority runs are not in it
     assert [p["piece_units"] for p in points[-3:]] == pytest.approx([unit] * 3)
 
 
-def test_two_piece_sizes_leave_the_links_own_error_out(tmp_path):
-    """Runs with 10 kB and 40 kB pieces, both 5 ms slower than the model for their bytes (the
-    link's error) and 0.4 ms per unit: the slope gives 0.4 ms where one size alone would take the
-    5 ms for pieces too."""
+def test_two_piece_sizes_tell_a_pieces_cost_from_the_schedulers_per_step(tmp_path):
+    """Runs with 10 kB and 40 kB pieces, both 5 ms a step slower than the model and 0.4 ms per
+    unit (piece and latency step): the slope gives 0.4 ms and the intercept the 5 ms a step,
+    where one size alone charges its pieces with those 5 ms too."""
     hw = load_hardware("v100-10gbe")
     runs, single = [], None
     for mb in (0.01, 0.04):
         unit, base = _units_and_base(hw, _priority(mb))
         runs.append(_dp_run(tmp_path, f"prio{mb}", _priority(mb), base + 0.005 + 4e-4 * unit))
         single = single or 4e-4 + 0.005 / unit
-    assert refine(hw, runs)[0].constants["piece_overhead_s"] == pytest.approx(4e-4)
+    both = refine(hw, runs)[0].constants
+    assert both["piece_overhead_s"] == pytest.approx(4e-4)
+    assert both["priority_overhead_s"] == pytest.approx(0.005)
     assert refine(hw, runs[:1])[0].constants["piece_overhead_s"] == pytest.approx(single)
+    faster = [_dp_run(tmp_path, f"fast{mb}", _priority(mb), _units_and_base(hw, _priority(mb))[1] + extra)
+              for mb, extra in ((0.01, 0.002), (0.04, 0.004))]  # more pieces measured faster: noise
+    noisy = refine(hw, faster)[0].constants
+    assert noisy["piece_overhead_s"] == 0.0 and noisy["priority_overhead_s"] == pytest.approx(0.003)
 
 
 def test_a_runs_step_is_the_median_logged_interval_after_the_first(tmp_path):

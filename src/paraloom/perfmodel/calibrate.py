@@ -28,7 +28,13 @@ from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
 from paraloom.perfmodel.storage import READ_BANDWIDTH, measure_read_rate
-from paraloom.perfmodel.strategies import PIECE_OVERHEAD, SYNC_OVERHEAD, estimate, host_slowdown
+from paraloom.perfmodel.strategies import (
+    PIECE_OVERHEAD,
+    PRIORITY_OVERHEAD,
+    SYNC_OVERHEAD,
+    estimate,
+    host_slowdown,
+)
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
@@ -208,11 +214,11 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     - parameter-server runs: `ps.server_s_per_message` and `ps.server_s_per_update`
       (`server_cpu_per_message`), each averaged over the runs that measured it.
     - data-parallel runs with the priority scheduler: `piece_overhead_s`, what a piece costs per
-      latency step of its all-reduce past the calibrated latency, per core's share of the host
-      (`piece_residual`): from runs with two piece sizes or more, the slope of their residuals
-      over their pieces, so that an error of the link's model common to both does not count;
-      from one size, its residual over its pieces. Fitted after `sync_overhead_s`, which comes
-      from the other data-parallel runs only.
+      latency step of its all-reduce past the calibrated latency, and `priority_overhead_s`, the
+      scheduler's own cost a step per core's share of the host (`piece_residual`): from runs
+      with two piece sizes or more, the slope and intercept of their residuals over their pieces;
+      from one size, its residual over its pieces alone. Fitted after `sync_overhead_s`, which
+      comes from the other data-parallel runs only.
     """
     summaries = {run: _finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
@@ -246,29 +252,30 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     if priority:
         residuals = [piece_residual(run, refined) for run in priority]
         points += [{"run": str(run), **r} for run, r in zip(priority, residuals, strict=True)]
-        value, _ = _fit_line([(r["piece_units"], r["residual_s"]) for r in residuals])
-        refined = replace(refined, constants={**refined.constants, PIECE_OVERHEAD: max(0.0, value)})
+        slope, intercept = _fit_line([(r["piece_units"], r["residual_s"]) for r in residuals])
+        if slope < 0:  # noise: more pieces measured faster; what they share is left
+            slope, intercept = 0.0, statistics.median(r["residual_s"] for r in residuals)
+        share = statistics.median(r["host_share"] for r in residuals)
+        refined = replace(refined, constants={**refined.constants, PIECE_OVERHEAD: slope,
+                                              PRIORITY_OVERHEAD: max(0.0, intercept) / share})
     return refined, points
 
 
 def piece_residual(run: Path, hw: Hardware) -> dict[str, float]:
-    """A priority run's step past the model's prediction without a cost per piece, and the units
-    `piece_overhead_s` is charged in there (pieces x latency steps x host share): the scheduler's
-    wake-ups and deferred updates on the cores its compute shares. The model is linear in the
-    constant, so the units are read from two predictions 1 ms apart."""
-    base = replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 0.0})
+    """A priority run's step past the model's without the scheduler's own costs, and the units
+    `piece_overhead_s` is charged in there (pieces x latency steps: two predictions 1 ms apart)."""
+    base = replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 0.0, PRIORITY_OVERHEAD: 0.0})
     measured, pred = _measured_and_predicted(run, base)
-    _, unit = _measured_and_predicted(run, replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 1e-3}))
+    _, unit = _measured_and_predicted(run, replace(base, constants={**base.constants, PIECE_OVERHEAD: 1e-3}))
     per_unit = (unit.step_s - pred.step_s) / 1e-3
     if per_unit <= 0:
         raise UserError(f"{str(run)!r}: its plan sends no priority pieces the model can charge")
     return {"measured_s": measured, "predicted_s": pred.step_s, "piece_units": per_unit,
-            "residual_s": measured - pred.step_s}
+            "residual_s": measured - pred.step_s, "host_share": host_slowdown(hw, pred.plan)}
 
 
 def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(slope, intercept) through (x, y) points, repeats of one x taken as their median: through
-    the origin from one x; from two or more, least squares."""
+    """(slope, intercept) of (x, y) points, repeats of an x as their median; one x: through 0."""
     repeats: dict[float, list[float]] = {}
     for x, y in points:
         repeats.setdefault(round(x, 12), []).append(y)

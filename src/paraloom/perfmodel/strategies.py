@@ -51,9 +51,10 @@ from paraloom.rules import check_interleaving, check_name, check_parallel_layout
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
 PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
 SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
-# what one piece of the priority scheduler costs per latency step of its all-reduce, past the
-# calibrated latency, per core's share of the host (paraloom calibrate --from a priority run)
-PIECE_OVERHEAD = "piece_overhead_s"
+# the priority scheduler's own costs (paraloom calibrate --from priority runs): a piece's per
+# latency step of its all-reduce past the calibrated latency, and the scheduler's per step (its
+# issuing thread and deferred updates) per core's share of the host
+PIECE_OVERHEAD, PRIORITY_OVERHEAD = "piece_overhead_s", "priority_overhead_s"
 
 
 @dataclass(frozen=True)
@@ -382,11 +383,12 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         piece = opts.partition_mb * 2**20
         window = int(opts.credit_mb * 2**20 // piece)  # pieces the credit window lets out at once
         exposed = overlap.priority_exposed(layers, send, piece, in_flight=window)
-        # each piece wakes the issuing and gloo threads once per latency step of its all-reduce,
-        # on cores the compute shares: under load that costs more than the idle latency measured
+        # each latency step of a piece's all-reduce waits for a thread's wake-up on cores the
+        # compute keeps busy, more than the idle latency calibrated; per step the scheduler's own
+        # thread and deferred updates take CPU from the compute
         hops = allreduce_coefficients(plan.dp, plan.algorithm)[0]
-        pieces = overlap.piece_count(layers, piece) * hops * host_slowdown(hw, plan)
-        charge = hw.constants.get(PIECE_OVERHEAD, 0.0) * pieces
+        charge = (hw.constants.get(PIECE_OVERHEAD, 0.0) * overlap.piece_count(layers, piece) * hops
+                  + hw.constants.get(PRIORITY_OVERHEAD, 0.0) * host_slowdown(hw, plan))
         return unhidden_cpu(exposed, total, comm_cpu(hw, plan, grad_bytes)) + charge, total
     else:
         exposed = overlap.wait_free_exposed(layers, send, bucket, first)
