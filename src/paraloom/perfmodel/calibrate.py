@@ -213,8 +213,8 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
       overhead 2 ms high and the sync cost to 0.
     - parameter-server runs: `ps.server_s_per_message` and `ps.server_s_per_update`
       (`server_cpu_per_message`), each averaged over the runs that measured it.
-    - data-parallel runs with the priority scheduler: `piece_overhead_s`, what a piece costs per
-      latency step of its all-reduce past the calibrated latency, and `priority_overhead_s`, the
+    - data-parallel runs with the priority scheduler: `piece_overhead_s`, what a piece costs
+      past its all-reduce's calibrated latency, and `priority_overhead_s`, the
       scheduler's own cost a step per core's share of the host (`piece_residual`): from runs
       with two piece sizes or more, the slope and intercept of their residuals over their pieces;
       from one size, its residual over its pieces alone. Fitted after `sync_overhead_s`, which
@@ -263,7 +263,7 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
 
 def piece_residual(run: Path, hw: Hardware) -> dict[str, float]:
     """A priority run's step past the model's without the scheduler's own costs, and the units
-    `piece_overhead_s` is charged in there (pieces x latency steps: two predictions 1 ms apart)."""
+    `piece_overhead_s` is charged in there (its pieces: two predictions 1 ms apart)."""
     base = replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 0.0, PRIORITY_OVERHEAD: 0.0})
     measured, pred = _measured_and_predicted(run, base)
     _, unit = _measured_and_predicted(run, replace(base, constants={**base.constants, PIECE_OVERHEAD: 1e-3}))

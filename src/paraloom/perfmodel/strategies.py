@@ -35,7 +35,6 @@ from paraloom.perfmodel.device_cost import layer_seconds, update_seconds
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.memory import stage_peaks
 from paraloom.perfmodel.network import (
-    allreduce_coefficients,
     allreduce_time,
     group_allreduce_time,
     group_link,
@@ -51,9 +50,9 @@ from paraloom.rules import check_interleaving, check_name, check_parallel_layout
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
 PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
 SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
-# the priority scheduler's own costs (paraloom calibrate --from priority runs): a piece's per
-# latency step of its all-reduce past the calibrated latency, and the scheduler's per step (its
-# issuing thread and deferred updates) per core's share of the host
+# the priority scheduler's own costs (paraloom calibrate --from priority runs): a piece's past its
+# all-reduce's calibrated latency, and the scheduler's per step (its issuing thread and deferred
+# updates) per core's share of the host
 PIECE_OVERHEAD, PRIORITY_OVERHEAD = "piece_overhead_s", "priority_overhead_s"
 
 
@@ -383,11 +382,11 @@ def _dp_sync(profile: ModelProfile, hw: Hardware, plan: Plan, opts: Options, sta
         piece = opts.partition_mb * 2**20
         window = int(opts.credit_mb * 2**20 // piece)  # pieces the credit window lets out at once
         exposed = overlap.priority_exposed(layers, send, piece, in_flight=window)
-        # each latency step of a piece's all-reduce waits for a thread's wake-up on cores the
-        # compute keeps busy, more than the idle latency calibrated; per step the scheduler's own
-        # thread and deferred updates take CPU from the compute
-        hops = allreduce_coefficients(plan.dp, plan.algorithm)[0]
-        charge = (hw.constants.get(PIECE_OVERHEAD, 0.0) * overlap.piece_count(layers, piece) * hops
+        # a piece is issued, tracked and waited for by threads on cores the compute keeps busy,
+        # past the latency calibrated for this group size (whose processes share the host too, so
+        # a piece's cost is not scaled by its hops or the host's share); per step the scheduler's
+        # own thread and deferred updates take CPU from the compute
+        charge = (hw.constants.get(PIECE_OVERHEAD, 0.0) * overlap.piece_count(layers, piece)
                   + hw.constants.get(PRIORITY_OVERHEAD, 0.0) * host_slowdown(hw, plan))
         return unhidden_cpu(exposed, total, comm_cpu(hw, plan, grad_bytes)) + charge, total
     else:
