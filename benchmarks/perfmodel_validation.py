@@ -16,10 +16,11 @@
    across the 10 Gbit/s emulated link (most likely the kernel's work per packet, not measured
    apart); refined on loopback, both parameter-server configurations at 10 Gbit/s were
    under-predicted by 25-32%.
-   And per link rate a priority piece's cost past the calibrated latency: the slope over pieces of
-   2-worker runs with 1 MB and 4 MB pieces across that rate's emulated link, twice each,
-   interleaved (the validated priority runs use 2 MB): on 4 workers at 10 Gbit/s priority measured
-   35-47 ms a step over wait_free where the model, charging each piece the idle latency, gave 1-25 ms.
+   And per link rate the priority scheduler's own costs, a piece's past the calibrated latency and
+   its per step: the slope and intercept over pieces of 2-worker runs with 1 MB and 4 MB pieces
+   across that rate's emulated link, twice each, interleaved (the validated priority runs use 2 MB):
+   on 4 workers at 10 Gbit/s priority measured 35-47 ms a step over wait_free where the model,
+   charging each piece the idle latency, gave 1-25 ms (runs 4-9).
 2. Measure: `paraloom train` on emulated clusters of 2 and 4 workers at 100 Mbit/s, 1 Gbit/s and
    10 Gbit/s: the MLP (3 x 1024) with each data-parallel scheduler, fp16 compression and the
    parameter server (BSP, ASP); the byte-level GPT with data, tensor and pipeline parallelism.
@@ -75,7 +76,8 @@ REFINE_STEPS, REFINE_REPEATS = 120, 3  # the refinement's runs: longer, and the 
 REFINE_LINK_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}
 # the priority scheduler's refinement runs: 2 workers with 1 MB and 4 MB pieces (11 and 5 a step),
 # around the validated runs' 7 at the default 2 MB, so that the fit is not a validated configuration;
-# two sizes, so that the link model's error (the same bytes at both) is left out of the slope
+# two sizes, so that what every run shares (the link model's error, the scheduler's per step) is
+# the intercept, not the pieces'
 PIECE_SIZES_MB, PIECE_REPEATS = (1, 4), 2
 # passes over a rate's configurations; a configuration's step is the median of its passes. The
 # 10 Gbit/s steps (30-110 ms) are bound by the CPU that moves the bytes through the veth pairs,
