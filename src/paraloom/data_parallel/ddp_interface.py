@@ -1,4 +1,4 @@
-"""The parts of DataParallel that make it a drop-in for DDP: no_sync, comm hooks, the optimizer's step.
+"""The parts of DataParallel that make it a drop-in for DDP: no_sync, join, comm hooks, the optimizer's step.
 
 Mixed into `engine.DataParallel`; kept apart so the engine module holds the engine.
 """
@@ -10,15 +10,17 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.distributed.algorithms.join import Join
 
+from paraloom.data_parallel import join
 from paraloom.data_parallel.comm_hook import check_hook
 from paraloom.data_parallel.states import sync_buffers
 
 
 class DDPInterface:
     """What DDP does around the engine: buffers synced and gradients re-bound before forward,
-    `no_sync()`, `register_comm_hook()`, and the guard that refuses a plain `optimizer.step()`
-    where the engine's updater owns the update."""
+    `no_sync()`, `join()` (uneven inputs), `register_comm_hook()`, and the guard that refuses a plain
+    `optimizer.step()` where the engine's updater owns the update."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -30,10 +32,35 @@ class DDPInterface:
             self._sync = previous
 
     # the engine's own work around forward stays eager under torch.compile (a graph break each)
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """DDP's context manager for uneven inputs: ranks that run out of batches shadow the others'
+        collectives until all have; then the last to finish broadcasts its model (`data_parallel/join.py`)."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> join.EngineJoinHook:
+        return join.EngineJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.group
+
     @torch.compiler.disable
     def _pre_forward(self) -> None:
+        joining = self._join_config.enable
+        if joining:  # inside an enabled Join: tell the ranks that ran out of batches what comes
+            Join.notify_join_context(self)
+            self._join_count = join.announce(self)
         if self._sync_buffers_next and self.forward_sync_buffers and self.world_size > 1:
-            sync_buffers(self.module, self.group)  # as DDP: rank 0's buffers before a training forward
+            if joining:
+                join.sync_buffers_joined(self, training=True)
+            else:
+                sync_buffers(self.module, self.group)  # as DDP: rank 0's buffers before a training forward
         if torch.is_grad_enabled():
             self._bind_missing_grads()
 
@@ -51,8 +78,9 @@ class DDPInterface:
         except RuntimeError as exc:  # DDP without join() hangs here; say what most likely happened
             raise RuntimeError(
                 "the gradient all-reduce did not complete: another rank stopped taking part. If the "
-                "ranks' inputs are uneven, give every rank the same number of batches (e.g. "
-                "DistributedSampler(..., drop_last=True)); otherwise a rank failed or hangs. "
+                "ranks' inputs are uneven, train inside `with model.join():` or give every rank the "
+                "same number of batches (e.g. DistributedSampler(..., drop_last=True)); otherwise a "
+                "rank failed or hangs. "
                 f"The backend said: {exc}") from exc
 
     @property

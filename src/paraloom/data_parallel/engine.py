@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.algorithms.join import Joinable
 
 from paraloom.comm.algorithms import all_reduce
 from paraloom.comm.collectives import CommStats, ThenOnWait, private_group
@@ -32,6 +33,7 @@ from paraloom.data_parallel.bucket import Bucket, Piece
 from paraloom.data_parallel.configure import configure
 from paraloom.data_parallel.ddp_interface import DDPInterface
 from paraloom.data_parallel.finite import all_finite, not_finite
+from paraloom.data_parallel.join import divisor
 from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.data_parallel.states import sync_states
 from paraloom.data_parallel.synchronous import DONE
@@ -40,7 +42,7 @@ from paraloom.rules import check_dp_options
 MB = 2**20
 
 
-class DataParallel(DDPInterface, nn.Module):
+class DataParallel(DDPInterface, nn.Module, Joinable):
     """A drop-in for `torch.nn.parallel.DistributedDataParallel`; see the module docstring.
 
     DDP's arguments come first, in the installed torch's order (`ddp_args` says what each means
@@ -52,6 +54,9 @@ class DataParallel(DDPInterface, nn.Module):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__()
+        Joinable.__init__(self)  # join(): disabled until a Join context enables it
+        self._join_count = None  # inside join(): (work, tensor) counting the ranks that sync this step
+        self._join_divide_by_world = True
         given = ddp_args.bind((self, *args), kwargs)
         ddp = ddp_args.resolve(given)
         o = ddp_args.engine_options(given)
@@ -251,8 +256,9 @@ class DataParallel(DDPInterface, nn.Module):
         self._executor.wait_all(self.n_pieces)
         self.stats.seconds += time.perf_counter() - start  # time not hidden behind backward
         if self.world_size > 1 and self.comm_hook is None:  # a comm hook returns the average itself
+            n = self.world_size if self._join_count is None else divisor(self)
             for bucket in self.buckets:
-                bucket.buffer.div_(self.world_size)
+                bucket.buffer.div_(n)
         self._reset()
         self._synced = True
 

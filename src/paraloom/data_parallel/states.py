@@ -10,14 +10,14 @@ from paraloom.comm.collectives import broadcast
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Group rank 0's values into `tensors` on every rank: one broadcast per dtype and device."""
+def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, src: int = 0) -> None:
+    """Group rank `src`'s values into `tensors` on every rank: one broadcast per dtype and device."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for same in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        broadcast(flat, group=group)
+        broadcast(flat, src_group_rank=src, group=group)
         for tensor, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
             tensor.copy_(part.view_as(tensor))
 
@@ -51,8 +51,8 @@ def sync_states(module: nn.Module, group: dist.ProcessGroup | None, init_sync: b
                            "(torch.manual_seed before building it), or leave init_sync=True")
 
 
-def sync_buffers(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Before a forward: every replica takes group rank 0's buffers (BatchNorm's running statistics)."""
+def sync_buffers(module: nn.Module, group: dist.ProcessGroup | None, src: int = 0) -> None:
+    """Before a forward: every replica takes group rank `src`'s buffers (BatchNorm's running statistics)."""
     buffers = list(module.buffers())
     if buffers:
-        broadcast_coalesced(buffers, group)
+        broadcast_coalesced(buffers, group, src)

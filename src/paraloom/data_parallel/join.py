@@ -1,0 +1,120 @@
+"""Uneven inputs under `torch.distributed.algorithms.join.Join`: a rank out of batches shadows the others.
+
+DataParallel is a `Joinable`, as DDP is: `with model.join(): <the training loop>` (or
+`Join([model, ...])`) lets ranks run different numbers of steps. While it runs, every training
+forward on a rank that still has batches issues, on the data-parallel group and in this order:
+the context's own "not joined yet" all-reduce (`Join.notify_join_context`), an all-reduce of 1 if
+this forward's backward will synchronize (0 under `no_sync()` or without grad; `announce`), and,
+when buffers are synced before forward, an all-reduce-max that picks the highest rank still
+training as their source (a joined rank's buffers are stale) and the buffers' broadcast from it.
+Backward then all-reduces every bucket in the one launch order of the engine.
+
+A joined rank answers each of those (`EngineJoinHook.main_hook`): it takes part in the same
+all-reduces, and when the others synchronize it runs the engine's own launch path on zeroed
+gradients, so compressors and comm hooks issue the same collectives they issue elsewhere. When
+every rank has joined, the last one to join (the highest rank among them) broadcasts its
+parameters and buffers to all (`post_hook`), as DDP does. Gradients are averaged over the whole
+group by default (joined ranks add zeros); with `divide_by_initial_world_size=False`, over the
+ranks still training, which the all-reduce of `announce` counts.
+
+Only the synchronous updater follows this protocol: the others (priority, one-step delay, local
+SGD, the sharded optimizer) communicate outside backward, and `join_hook` refuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+
+from paraloom.data_parallel.states import broadcast_coalesced, sync_buffers
+
+
+def check_joinable(engine) -> None:
+    """Refuse, in one line, an engine whose step communicates outside the backward pass."""
+    if not engine.updater.plain_optimizer_step or engine.auto is not None:
+        setting = "comm.scheduler=auto" if engine.auto is not None else type(engine.updater).__name__
+        raise ValueError(f"join() shadows the synchronous all-reduce of backward only; {setting} "
+                         "communicates outside it: use comm.sync=sync with scheduler fifo or wait_free, "
+                         "or give every rank the same number of batches")
+    if engine._guard_group is not None:
+        raise ValueError("join() cannot shadow the non-finite guard's per-step flag; train with "
+                         "optimizer.step() (the guard on the averaged gradients) or even inputs")
+
+
+def _flag(engine, value: float) -> torch.Tensor:
+    return torch.full((1,), value, device=engine.join_device)
+
+
+def announce(engine) -> tuple[dist.Work, torch.Tensor]:
+    """On a rank still training, before forward: whether its backward will synchronize (async)."""
+    count = _flag(engine, float(torch.is_grad_enabled() and engine._sync))
+    return dist.all_reduce(count, group=engine.group, async_op=True), count
+
+
+def buffer_source(engine, candidate: bool) -> int:
+    """The group rank buffers (or the final model) come from: the highest `candidate` rank."""
+    rank = _flag(engine, float(engine.rank if candidate else -1))
+    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=engine.group)
+    return int(rank.item())
+
+
+def sync_buffers_joined(engine, training: bool) -> None:
+    """Before a forward under join: every replica takes the buffers of the highest rank still training."""
+    if any(True for _ in engine.module.buffers()):
+        sync_buffers(engine.module, engine.group, buffer_source(engine, training))
+
+
+def divisor(engine) -> int:
+    """What the summed gradients are divided by: the group's size, or the ranks still training."""
+    pending = engine._join_count
+    if pending is None or engine._join_divide_by_world:
+        return engine.world_size
+    work, count = pending
+    work.wait()
+    return max(1, int(count.item()))
+
+
+class EngineJoinHook(JoinHook):
+    """What a joined rank runs while others train (`main_hook`) and once all have joined (`post_hook`)."""
+
+    def __init__(self, engine, divide_by_initial_world_size: bool = True) -> None:
+        check_joinable(engine)
+        self.engine = engine
+        engine._join_divide_by_world = divide_by_initial_world_size
+
+    @torch.no_grad()
+    def main_hook(self) -> None:
+        engine = self.engine
+        count = _flag(engine, 0.0)
+        dist.all_reduce(count, group=engine.group)
+        synced = bool(count.item())
+        if engine._sync_buffers_next and engine.forward_sync_buffers:
+            sync_buffers_joined(engine, training=False)
+        engine._sync_buffers_next = synced
+        if synced:
+            self._shadow_backward()
+
+    def _shadow_backward(self) -> None:
+        """The engine's launch path on zeroed gradients: every bucket, in the engine's launch order."""
+        engine = self.engine
+        engine.reset_buckets()
+        for bucket in engine.buckets:
+            bucket.bind_all()
+            bucket.buffer.zero_()
+            bucket.pending = 0
+            engine._ready(bucket)
+        engine._executor.wait_all(engine.n_pieces)
+        engine._reset()
+        engine.zero_grad()
+
+    @torch.no_grad()
+    def post_hook(self, is_last_joiner: bool) -> None:
+        engine = self.engine
+        source = buffer_source(engine, is_last_joiner)
+        tensors = [p.data for p in engine.module.parameters()]
+        if engine.forward_sync_buffers:
+            tensors += list(engine.module.buffers())
+        broadcast_coalesced(tensors, engine.group, source)
+        engine._join_config = _JoinConfig.construct_disabled_join_config()  # every rank runs this
+        engine._join_count = None
