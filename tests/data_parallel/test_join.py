@@ -6,6 +6,7 @@ import torch.distributed as dist
 from distributed import run_workers
 from torch import nn
 from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from paraloom import DataParallel
 
@@ -16,10 +17,13 @@ def _model() -> nn.Module:
 
 
 def _train(wrapper, rank: int, batches: int, *, divide: bool, accumulate: int, options: dict,
-           use_join_class: bool = False) -> list[torch.Tensor]:
+           use_join_class: bool = False, zero: bool = False) -> list[torch.Tensor]:
     model = wrapper(_model(), **options)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    context = (Join([model], divide_by_initial_world_size=divide) if use_join_class
+    if zero:  # torch's sharded optimizer joins beside the model: it steps on what the model leaves it
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    context = (Join([model, opt] if zero else [model], divide_by_initial_world_size=divide) if use_join_class
                else model.join(divide_by_initial_world_size=divide))
     with context:
         for step in range(batches):
@@ -37,24 +41,25 @@ def _train(wrapper, rank: int, batches: int, *, divide: bool, accumulate: int, o
     return [t.detach().clone() for t in (*model.module.state_dict().values(), out)]
 
 
-def _against_ddp(rank, world, divide, accumulate, options, use_join_class):
+def _against_ddp(rank, world, divide, accumulate, options, use_join_class, zero):
     torch.set_num_threads(1)
     batches = 3 + 2 * rank  # every rank a different number of batches, the last the most
     ddp = _train(nn.parallel.DistributedDataParallel, rank, batches, divide=divide, accumulate=accumulate,
-                 options={})
+                 options={}, use_join_class=zero, zero=zero)
     ours = _train(DataParallel, rank, batches, divide=divide, accumulate=accumulate, options=options,
-                  use_join_class=use_join_class)
+                  use_join_class=use_join_class or zero, zero=zero)
     return ddp, ours
 
 
-@pytest.mark.parametrize("world, divide, accumulate, options, use_join_class", [
-    (2, True, 1, {}, False),
-    (3, False, 1, {}, True),
-    (3, True, 2, {"scheduler": "fifo", "algorithm": "ring", "bucket_cap_mb": 1e-4}, False),
+@pytest.mark.parametrize("world, divide, accumulate, options, use_join_class, zero", [
+    (2, True, 1, {}, False, False),
+    (3, False, 1, {}, True, False),
+    (3, True, 2, {"scheduler": "fifo", "algorithm": "ring", "bucket_cap_mb": 1e-4}, False, False),
+    (2, True, 1, {}, True, True),
 ])
-def test_uneven_inputs_train_as_ddp_joins(world, divide, accumulate, options, use_join_class):
+def test_uneven_inputs_train_as_ddp_joins(world, divide, accumulate, options, use_join_class, zero):
     """Final parameters, buffers and outputs equal DDP's on every rank (and so every rank's alike)."""
-    results = run_workers(_against_ddp, world, divide, accumulate, options, use_join_class, timeout=120)
+    results = run_workers(_against_ddp, world, divide, accumulate, options, use_join_class, zero, timeout=120)
     for ddp, ours in results:
         torch.testing.assert_close(ours, ddp)
 

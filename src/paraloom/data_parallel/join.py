@@ -11,7 +11,8 @@ Backward then all-reduces every bucket in the one launch order of the engine.
 
 A joined rank answers each of those (`EngineJoinHook.main_hook`): it takes part in the same
 all-reduces, and when the others synchronize it runs the engine's own launch path on zeroed
-gradients, so compressors and comm hooks issue the same collectives they issue elsewhere. When
+gradients, so compressors and comm hooks issue the same collectives they issue elsewhere; its own
+gradients are put back afterwards, as DDP leaves a joined rank's. When
 every rank has joined, the last one to join (the highest rank among them) broadcasts its
 parameters and buffers to all (`post_hook`), as DDP does. Gradients are averaged over the whole
 group by default (joined ranks add zeros); with `divide_by_initial_world_size=False`, over the
@@ -96,17 +97,22 @@ class EngineJoinHook(JoinHook):
             self._shadow_backward()
 
     def _shadow_backward(self) -> None:
-        """The engine's launch path on zeroed gradients: every bucket, in the engine's launch order."""
+        """The engine's launch path on zeroed gradients: every bucket, in the engine's launch order.
+
+        The rank's own gradients come back as they were (`None` stays `None`), as under DDP, whose
+        joined ranks reduce zeroed copies: an optimizer joined beside the model (ZeroRedundancyOptimizer)
+        then steps on what DDP would leave it."""
         engine = self.engine
+        kept = [bucket.buffer.clone() for bucket in engine.buckets]
         engine.reset_buckets()
         for bucket in engine.buckets:
-            bucket.bind_all()
             bucket.buffer.zero_()
             bucket.pending = 0
             engine._ready(bucket)
         engine._executor.wait_all(engine.n_pieces)
         engine._reset()
-        engine.zero_grad()
+        for bucket, values in zip(engine.buckets, kept, strict=True):
+            bucket.buffer.copy_(values)
 
     @torch.no_grad()
     def post_hook(self, is_last_joiner: bool) -> None:
