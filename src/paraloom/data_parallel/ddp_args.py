@@ -8,10 +8,12 @@ supports. What each DDP argument means here (`resolve`):
   forward_sync_buffers, device_ids: as in DDP.
 - output_device, dim: DDP's single-process multi-device mode, which DDP itself no longer runs;
   one process drives one device here, so they change nothing.
-- find_unused_parameters, static_graph, gradient_as_bucket_view, check_reduction,
-  batched_grad_copy, skip_all_reduce_unused_params: the engine always averages every parameter
-  (one that got no gradient counts as zero, as if it were used with a zero gradient) and its
-  gradients always are views of the buckets (no copy), so these ask for nothing it does not do.
+- find_unused_parameters: as in DDP, a parameter that no rank used keeps its gradient (None stays
+  None, so AdamW skips it; data_parallel/unused.py). Without it, a parameter that got no gradient
+  counts as zero in the average (where DDP would stop with an error at the next step).
+- static_graph, gradient_as_bucket_view, check_reduction, batched_grad_copy,
+  skip_all_reduce_unused_params: the engine always averages every bucket and its gradients always
+  are views of the buckets (no copy), so these ask for nothing it does not do.
 - delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, bucket_cap_mb_list:
   not built; refused with one line rather than ignored.
 """

@@ -94,6 +94,8 @@ class DDPInterface:
         before backward, so autograd accumulates straight into the buckets: no copy per step."""
         for bucket in self.buckets:
             if any(p.grad is None for p in bucket.params):
+                if self.find_unused:
+                    self._none_before.update(p for p in bucket.params if p.grad is None)
                 bucket.bind_all()
 
     def _refuse_plain_step(self, optimizer: torch.optim.Optimizer, *_) -> None:

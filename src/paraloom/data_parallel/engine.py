@@ -37,6 +37,7 @@ from paraloom.data_parallel.join import divisor
 from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.data_parallel.states import sync_states
 from paraloom.data_parallel.synchronous import DONE
+from paraloom.data_parallel.unused import release_unused
 from paraloom.rules import check_dp_options
 
 MB = 2**20
@@ -75,6 +76,11 @@ class DataParallel(DDPInterface, nn.Module, Joinable):
         elif compressor != "none":
             self.compressor = make_compressor(compressor, **o["compressor_options"])
         self.device_ids = ddp["device_ids"]
+        # DDP's find_unused_parameters: a parameter no rank used keeps its gradient (unused.py)
+        self.find_unused = bool(given["find_unused_parameters"])
+        self._used: set = set()  # parameters that got a gradient here since the last synchronization
+        self._none_before: set = set()  # parameters whose gradient was None before this step's forward
+        self._used_flags: torch.Tensor | None = None  # the last step's map of parameters some rank used
         self.forward_sync_buffers = ddp["forward_sync_buffers"]  # DDP's broadcast_buffers
         self.comm_hook = None  # (state, hook) once register_comm_hook() is called
         self.module = module
@@ -115,6 +121,8 @@ class DataParallel(DDPInterface, nn.Module, Joinable):
             self.auto = AutoScheduler(self, schedulers=CANDIDATES if scheduler == "auto" else (scheduler,),
                                       buckets=sizes_tried)
             scheduler = self.auto.start()
+        if self.find_unused:  # configure() binds every gradient to its bucket view: None until then
+            self._none_before = {p for p in self.params if p.grad is None}
         configure(self, scheduler)
 
     def forward(self, *args, **kwargs):
@@ -153,6 +161,8 @@ class DataParallel(DDPInterface, nn.Module, Joinable):
         # before the gradient is sent; under no_sync() the synced backward checks the sum (NaN/Inf stay)
         if self._nonfinite is not None and self._sync:
             self._nonfinite.logical_or_(not_finite(p.grad))
+        if self.find_unused:
+            self._used.add(p)
         if not (self._sync and self.reduce_in_backward):
             return
         if slot in bucket.seen:
@@ -261,6 +271,8 @@ class DataParallel(DDPInterface, nn.Module, Joinable):
                 bucket.buffer.div_(n)
         self._reset()
         self._synced = True
+        if self.find_unused and self.updater.plain_optimizer_step:
+            release_unused(self)
 
     def guard_nonfinite(self, group: dist.ProcessGroup | None = None) -> None:
         """From now on `step()` skips, on every rank alike, a step whose gradients hold NaN or Inf

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
 from paraloom.data_parallel.states import broadcast_coalesced, sync_buffers
+from paraloom.data_parallel.unused import shadow_unused
 
 
 def check_joinable(engine) -> None:
@@ -111,6 +112,8 @@ class EngineJoinHook(JoinHook):
             engine._ready(bucket)
         engine._executor.wait_all(engine.n_pieces)
         engine._reset()
+        if engine.find_unused:  # the others' map of parameters some rank used (unused.py)
+            shadow_unused(engine)
         for bucket, values in zip(engine.buckets, kept, strict=True):
             bucket.buffer.copy_(values)
 
