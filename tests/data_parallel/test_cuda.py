@@ -90,6 +90,23 @@ def test_two_ranks_share_one_gpu_under_gloo():
         torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=1e-4)
 
 
+def test_join_and_unused_parameters_on_gpu_tensors_as_ddp():
+    """join() (uneven ranks, BatchNorm buffers, ZeroRedundancyOptimizer beside the model) and
+    find_unused_parameters with their flags and maps on the GPU: two ranks share it under gloo,
+    DDP beside paraloom on the same ranks (test_join.py and test_unused.py on CUDA tensors)."""
+    import test_join
+    import test_unused
+
+    for zero in (False, True):
+        for ddp, ours in run_workers(test_join._against_ddp, 2, False, 1, {}, True, zero, "cuda",
+                                     backend="gloo", timeout=180):
+            torch.testing.assert_close(ours, ddp)
+    for (ddp_params, ddp_none), (params, none) in run_workers(test_unused._against_ddp, 2, False, True, {},
+                                                              "cuda", backend="gloo", timeout=180):
+        assert none == ddp_none
+        torch.testing.assert_close(params, ddp_params)
+
+
 def _compressed(rank, world, compressor):
     from paraloom.data_parallel import DataParallel
     from paraloom.train.recipe import batch_loss

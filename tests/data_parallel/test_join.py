@@ -17,8 +17,8 @@ def _model() -> nn.Module:
 
 
 def _train(wrapper, rank: int, batches: int, *, divide: bool, accumulate: int, options: dict,
-           use_join_class: bool = False, zero: bool = False) -> list[torch.Tensor]:
-    model = wrapper(_model(), **options)
+           use_join_class: bool = False, zero: bool = False, device: str = "cpu") -> list[torch.Tensor]:
+    model = wrapper(_model().to(device), **options)
     if zero:  # torch's sharded optimizer joins beside the model: it steps on what the model leaves it
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
     else:
@@ -27,7 +27,7 @@ def _train(wrapper, rank: int, batches: int, *, divide: bool, accumulate: int, o
                else model.join(divide_by_initial_world_size=divide))
     with context:
         for step in range(batches):
-            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * rank + step))
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * rank + step)).to(device)
             if step % accumulate:  # the others' no_sync() steps: the joined ranks shadow nothing
                 with model.no_sync():
                     model(x).square().mean().backward()
@@ -37,17 +37,17 @@ def _train(wrapper, rank: int, batches: int, *, divide: bool, accumulate: int, o
             opt.zero_grad()
     model.eval()
     with torch.no_grad():
-        out = model(torch.ones(2, 6))
-    return [t.detach().clone() for t in (*model.module.state_dict().values(), out)]
+        out = model(torch.ones(2, 6, device=device))
+    return [t.detach().cpu() for t in (*model.module.state_dict().values(), out)]
 
 
-def _against_ddp(rank, world, divide, accumulate, options, use_join_class, zero):
+def _against_ddp(rank, world, divide, accumulate, options, use_join_class, zero, device="cpu"):
     torch.set_num_threads(1)
     batches = 3 + 2 * rank  # every rank a different number of batches, the last the most
     ddp = _train(nn.parallel.DistributedDataParallel, rank, batches, divide=divide, accumulate=accumulate,
-                 options={}, use_join_class=zero, zero=zero)
+                 options={}, use_join_class=zero, zero=zero, device=device)
     ours = _train(DataParallel, rank, batches, divide=divide, accumulate=accumulate, options=options,
-                  use_join_class=use_join_class or zero, zero=zero)
+                  use_join_class=use_join_class or zero, zero=zero, device=device)
     return ddp, ours
 
 

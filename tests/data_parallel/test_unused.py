@@ -21,15 +21,15 @@ class Branches(nn.Module):
         return getattr(self, branch)(x).square().sum()
 
 
-def _train(wrapper, rank: int, *, accumulate: bool, uneven: bool, options: dict):
+def _train(wrapper, rank: int, *, accumulate: bool, uneven: bool, options: dict, device: str = "cpu"):
     torch.manual_seed(0)
-    model = wrapper(Branches(), find_unused_parameters=True, **options)
+    model = wrapper(Branches().to(device), find_unused_parameters=True, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
     none_after_backward = []
     steps = 4 + (2 * rank if uneven else 0)
     with model.join() if uneven else contextlib.nullcontext():
         for i in range(steps):
-            x = torch.ones(2, 3) * (rank + 1) + i
+            x = torch.ones(2, 3, device=device) * (rank + 1) + i
             if accumulate:  # b only in the micro-step that does not synchronize: it counts as used
                 with model.no_sync():
                     model(x, "b").backward()
@@ -37,13 +37,14 @@ def _train(wrapper, rank: int, *, accumulate: bool, uneven: bool, options: dict)
             none_after_backward.append([p.grad is None for p in model.module.parameters()])
             opt.step()
             opt.zero_grad()
-    return [p.detach().clone() for p in model.module.parameters()], none_after_backward
+    return [p.detach().cpu() for p in model.module.parameters()], none_after_backward
 
 
-def _against_ddp(rank, world, accumulate, uneven, options):
+def _against_ddp(rank, world, accumulate, uneven, options, device="cpu"):
     torch.set_num_threads(1)
-    ddp = _train(nn.parallel.DistributedDataParallel, rank, accumulate=accumulate, uneven=uneven, options={})
-    ours = _train(DataParallel, rank, accumulate=accumulate, uneven=uneven, options=options)
+    ddp = _train(nn.parallel.DistributedDataParallel, rank, accumulate=accumulate, uneven=uneven, options={},
+                 device=device)
+    ours = _train(DataParallel, rank, accumulate=accumulate, uneven=uneven, options=options, device=device)
     return ddp, ours
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 def used_map(engine) -> torch.Tensor:
     """One byte a parameter (engine.params order): 1 where this rank produced a gradient."""
     used = engine._used
-    return torch.tensor([p in used for p in engine.params], dtype=torch.uint8)
+    return torch.tensor([p in used for p in engine.params], dtype=torch.uint8, device=engine.join_device)
 
 
 def release_unused(engine) -> None:
@@ -41,5 +41,5 @@ def shadow_unused(engine) -> None:
     with the map of its last synchronized step, all-reduced in place from then on: a parameter used
     there, or by any rank since it joined, counts as used (a zero gradient, not None)."""
     if engine._used_flags is None:
-        engine._used_flags = torch.zeros(len(engine.params), dtype=torch.uint8)
+        engine._used_flags = torch.zeros(len(engine.params), dtype=torch.uint8, device=engine.join_device)
     dist.all_reduce(engine._used_flags, op=dist.ReduceOp.MAX, group=engine.group)
