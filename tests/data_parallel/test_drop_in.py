@@ -241,3 +241,35 @@ def test_ddp_arguments_without_a_process_group():
     resolved = ddp_args.resolve(ddp_args.bind((None, model), {"broadcast_buffers": False}))
     assert not resolved["forward_sync_buffers"] and not resolved["init_sync_buffers"]
     assert ddp_args.resolve(ddp_args.bind((None, model), {"device_ids": ["cpu"]}))["device_ids"] == ["cpu"]
+
+
+def _dcp_between(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def trained(wrapper, seed):
+        torch.manual_seed(seed)
+        model = wrapper(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        return model, opt
+
+    ddp, ddp_opt = trained(torch.nn.parallel.DistributedDataParallel, 0)
+    model_sd, optim_sd = get_state_dict(ddp, ddp_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    ours, opt = trained(DataParallel, 1)
+    model_sd, optim_sd = get_state_dict(ours.module, opt)  # the wrapped module: DDP's keys
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(ours.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return ([torch.equal(a, b) for a, b in zip(ours.parameters(), ddp.parameters(), strict=True)],
+            opt.state_dict()["state"][0]["step"].item())
+
+
+def test_a_ddp_distributed_checkpoint_loads_through_the_wrapped_module(tmp_path):
+    """torch.distributed.checkpoint's state-dict helpers drop DDP's `module.` prefix by its class;
+    given `model.module`, paraloom's keys are the same, and a DDP-written checkpoint loads."""
+    for equal, step in run_workers(_dcp_between, 2, str(tmp_path / "dcp")):
+        assert all(equal) and step == 1
