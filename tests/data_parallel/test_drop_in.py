@@ -273,3 +273,31 @@ def test_a_ddp_distributed_checkpoint_loads_through_the_wrapped_module(tmp_path)
     given `model.module`, paraloom's keys are the same, and a DDP-written checkpoint loads."""
     for equal, step in run_workers(_dcp_between, 2, str(tmp_path / "dcp")):
         assert all(equal) and step == 1
+
+
+def _attributes(rank, world):
+    out = []
+    for wrapper in (torch.nn.parallel.DistributedDataParallel, DataParallel):
+        torch.manual_seed(0)
+        model = wrapper(torch.nn.Linear(3, 2), broadcast_buffers=False, find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = [model.process_group is dist.group.WORLD,
+                model.broadcast_buffers, model.find_unused_parameters]
+        for step in range(4):  # accumulate two micro-batches by DDP's attribute, as some libraries do
+            model.require_backward_grad_sync = step % 2 == 1
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().sum().backward()
+            seen.append(model.require_backward_grad_sync)
+            if step % 2:
+                opt.step()
+                opt.zero_grad()
+        out.append((seen, [p.detach().clone() for p in model.parameters()]))
+    return out
+
+
+def test_ddps_attributes_read_and_set_as_on_ddp():
+    """process_group, broadcast_buffers, find_unused_parameters read as on DDP; require_backward_grad_sync
+    set to False accumulates locally, as DDP's no_sync() does by it."""
+    for (ddp_seen, ddp_params), (seen, params) in run_workers(_attributes, 2):
+        assert seen == ddp_seen == [True, False, True, False, True, False, True]
+        torch.testing.assert_close(params, ddp_params)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import Join
 
 from paraloom.data_parallel import join
@@ -41,6 +42,28 @@ class DDPInterface:
 
     def join_hook(self, **kwargs) -> join.EngineJoinHook:
         return join.EngineJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    # DDP's attributes that scripts and libraries read or set, under DDP's names
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside `no_sync()`; setting it False is `no_sync()` until it is set back, as in DDP."""
+        return self._sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync = bool(value)
+
+    @property
+    def process_group(self):
+        return self.group if self.group is not None else dist.group.WORLD
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return self.find_unused
 
     @property
     def join_device(self) -> torch.device:
