@@ -32,7 +32,6 @@ class DDPInterface:
         finally:
             self._sync = previous
 
-    # the engine's own work around forward stays eager under torch.compile (a graph break each)
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """DDP's context manager for uneven inputs: ranks that run out of batches shadow the others'
@@ -73,6 +72,7 @@ class DDPInterface:
     def join_process_group(self):
         return self.group
 
+    # the engine's own work around forward stays eager under torch.compile (a graph break each)
     @torch.compiler.disable
     def _pre_forward(self) -> None:
         joining = self._join_config.enable
