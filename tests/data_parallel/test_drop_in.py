@@ -114,6 +114,46 @@ def test_no_copies_and_state_dicts_in_ddps_format(tmp_path):
         assert same
 
 
+def _conv_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    net = net.to(memory_format=torch.channels_last)
+    net[5].weight = torch.nn.Parameter(torch.randn(8 * 6 * 6, 4).t() * 0.05)  # a transposed weight
+    return net
+
+
+def _strided_parameters(rank, world):
+    import warnings
+    out = {}
+    for name, wrap in (("ddp", torch.nn.parallel.DistributedDataParallel), ("paraloom", DataParallel)):
+        model = wrap(_conv_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                g = torch.Generator().manual_seed(step * 10 + rank)
+                x = torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+        out[name] = ([p.detach().clone() for p in model.module.parameters()],
+                     [(p.grad.stride(), p.stride()) for p in model.module.parameters()],
+                     [str(w.message) for w in caught if "layout" in str(w.message)])
+    out["copies"] = model.copies
+    return out
+
+
+def test_channels_last_and_transposed_parameters_accumulate_in_their_buckets():
+    """Bucket views take a dense parameter's strides (as DDP's do), so a channels_last model's
+    gradients land in the bucket without a copy or torch's layout-contract warning."""
+    for out in run_workers(_strided_parameters, 2):
+        params, strides, layout_warnings = out["paraloom"]
+        assert [p.is_contiguous() for p in params].count(False) >= 3  # two convs and the transposed weight
+        assert all(g == p for g, p in strides) and not layout_warnings and out["copies"] == 0
+        torch.testing.assert_close(params, out["ddp"][0])
+
+
 def _misuse(rank, world, case):
     torch.manual_seed(rank if case == "different" else 0)
     model = torch.nn.Linear(3, 2)

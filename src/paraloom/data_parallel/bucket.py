@@ -116,7 +116,26 @@ class Bucket:
 
 
 def _views(buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> list[torch.Tensor]:
-    return [buffer[o: o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
+    return [_shaped_like(buffer[o: o + p.numel()], p) for p, o in zip(params, offsets, strict=True)]
+
+
+def _shaped_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`flat` shaped as `p` with `p`'s strides where its memory is dense (channels_last, a
+    transposed weight), as DDP lays its buckets out: autograd then accumulates straight into the
+    view (a gradient's layout follows its parameter's), without a copy or torch's layout warning."""
+    if p.is_contiguous() or not _dense(p):
+        return flat.view_as(p)
+    return flat.as_strided(p.shape, p.stride())
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Whether `p`'s elements fill exactly `p.numel()` places of memory in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((p.stride(d), p.size(d)) for d in range(p.dim()) if p.size(d) > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @dataclass(eq=False)
