@@ -64,6 +64,16 @@ OWN = ["--set", "model.name=plm_own:make_model", "--set", "data.name=plm_own:mak
     ([*OWN, "--set", "optim.name=adamx"], "optim.name='adamx' is not a torch.optim optimizer"),
     ([*OWN, "--set", "optim.name=adamw", "--set", "optim.options.betaz=1"],
      "optim.options betaz: AdamW does not take it"),
+    ([*OWN, "--set", "optim.no_decay=*.bais"],
+     "optim.no_decay '*.bais' matches no parameter of model.name=plm_own:make_model (its parameters are "
+     "named like 0.weight, 0.bias, 2.weight, 2.bias)"),
+    ([*OWN, "--set", "optim.no_decay=1d", "--set", "optim.name=rprop"],
+     "optim.no_decay exempts parameters from weight decay; optim.name=rprop takes no weight_decay"),
+    ([*OWN, "--set", "optim.no_decay=1d", "--set", "parallel.mode=ps"],
+     "the parameter_server strategy does not take optim.no_decay"),
+    ([*OWN, "--set", "optim.no_decay=1d", "--set", "comm.shard_optimizer=true"],
+     "comm.shard_optimizer=true steps flat shards with one"),
+    ([*OWN, "--set", "optim.no_decay= , "], "optim.no_decay names no parameter"),
 ])
 def test_bad_user_code_is_one_line_and_exit_2_before_any_worker(argv, message, capsys, tmp_path, monkeypatch):
     (tmp_path / "plm_own.py").write_text(USER_CODE)

@@ -144,6 +144,8 @@ class OptimConfig:
     scale_lr: bool = False  # linear scaling rule (Goyal et al. 2017): lr * data.batch_size / base_batch
     base_batch: int = 64  # the global batch `lr` was tuned for (scale_lr)
     clip_norm: float | None = None  # clip the gradient to this global L2 norm (None: no clipping)
+    # parameters named as named_parameters() gives them, comma-separated; 1d: every bias and norm scale
+    no_decay: str | None = None  # trained without weight decay: "*.bias,*norm*", or 1d (optim/groups.py)
 
     def __post_init__(self) -> None:
         for key in ("epochs", "accumulate", "base_batch"):
@@ -308,7 +310,8 @@ class Config:
             rules.check_push_compressor(self.comm.compressor)
         rules.check_strategy_settings(self.strategy, self.changed(), device=self.run.device)
         rules.check_recipe(self.strategy, clip_norm=self.optim.clip_norm, precision=self.run.precision,
-                           guard_nan=self.guard.nan, scheduler=self.comm.scheduler)
+                           guard_nan=self.guard.nan, scheduler=self.comm.scheduler,
+                           no_decay=self.optim.no_decay, shard_optimizer=self.comm.shard_optimizer)
 
     @property
     def strategy(self) -> str:

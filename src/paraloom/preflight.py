@@ -17,6 +17,7 @@ from paraloom.data import DataSets, load_data
 from paraloom.errors import UserError
 from paraloom.models.make import make_model
 from paraloom.optim import check_optimizer
+from paraloom.optim.build import accepted_arguments
 from paraloom.pipeline_parallel.partition import model_pieces
 from paraloom.rules import is_factory
 from paraloom.tensor_parallel import check_tp_plan
@@ -29,13 +30,16 @@ def preflight(cfg: Config, world: int) -> DataSets | None:
     or None where nothing needs them: a zoo model on a built-in data set, no model options, no
     model parallelism and no faults are checked by the config alone (loading digits here would
     add seconds to every run's start)."""
-    check_optimizer(cfg.optim.name, cfg.optim.options)
+    optimizer = check_optimizer(cfg.optim.name, cfg.optim.options)
+    if cfg.optim.no_decay and "weight_decay" not in (accepted_arguments(optimizer) or ["weight_decay"]):
+        raise UserError(f"optim.no_decay exempts parameters from weight decay; optim.name={cfg.optim.name} "
+                        "takes no weight_decay")
     if not (is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options
-            or cfg.parallel.model_parallel or cfg.run.inject is not None):
+            or cfg.parallel.model_parallel or cfg.run.inject is not None or cfg.optim.no_decay):
         return None
     data = load_data(cfg)
     with torch.device("meta"):
-        model = make_model(cfg, data)
+        model = make_model(cfg, data)  # optim.no_decay's patterns checked against its names here
     if cfg.parallel.model_parallel:
         check_model_parallel(cfg, model, world)
     if cfg.run.inject is not None:

@@ -149,8 +149,16 @@ def check_strategy_settings(strategy: str, changed: dict[str, object], *, device
 
 
 def check_recipe(strategy: str, *, clip_norm: float | None, precision: str, guard_nan: bool,
-                 scheduler: str) -> None:
+                 scheduler: str, no_decay: str | None = None, shard_optimizer: bool = False) -> None:
     """The optimizer recipe (optim.*, run.precision) against the strategy that must honour it."""
+    if no_decay is not None and not no_decay.replace(",", "").strip():
+        raise UserError("optim.no_decay names no parameter; give name patterns (\"*.bias,*norm*\") or 1d")
+    if no_decay and strategy == "parameter_server":
+        raise UserError("the parameter_server strategy does not take optim.no_decay so far: its servers "
+                        "step flat slices that cut across parameters, with one weight decay for all")
+    if no_decay and shard_optimizer:
+        raise UserError("optim.no_decay needs two parameter groups; comm.shard_optimizer=true steps flat "
+                        "shards with one: leave one of them off")
     if strategy == "parameter_server" and precision == "fp16":
         raise UserError("the parameter_server strategy does not train at run.precision=fp16 so far (its "
                         "loss scale would differ per worker); use bf16 or fp32")

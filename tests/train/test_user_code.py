@@ -131,13 +131,19 @@ def _factor(step):
     return 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
 
 
-def reference(optimizer_name="adamw"):
+def reference(optimizer_name="adamw", no_decay=()):
     """One process, plain torch (paraloom's LAMB, tested against the paper elsewhere): per-step mean
-    losses, the gradient norms before clipping, and the final parameters."""
+    losses, the gradient norms before clipping, and the final parameters. `no_decay`: names of
+    parameters in a group of their own without weight decay, as a user's script would write it."""
     torch.manual_seed(0)
     model, data = make_model(), make_data()
     make = {"adamw": torch.optim.AdamW, "lamb": LAMB}[optimizer_name]
-    optimizer = make(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    params = model.parameters()
+    if no_decay:
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if n not in no_decay]},
+                  {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
+    optimizer = make(params, lr=LR, weight_decay=WD, eps=EPS)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
     sampler = ShardedBatchSampler(len(data.train), BATCH, rank=0, world=1, seed=0)
     sampler.set_epoch(0)
@@ -215,3 +221,23 @@ def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, 
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     for key, value in params.items():
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2_1f1b"])
+def test_parameters_exempt_from_weight_decay_train_like_a_script_with_two_groups(name, expected, tmp_path):
+    """optim.no_decay="1d,embed.pos": every bias and norm scale and one 2-D parameter by name train
+    without weight decay, as two parameter groups in a plain script do; under tensor parallelism the
+    split layers' new parameters are marked again, and a pipeline stage keeps the whole model's names."""
+    named = dict(make_model().named_parameters())
+    exempt = {n for n, p in named.items() if p.dim() < 2 or n == "embed.pos"}
+    losses, _, params = reference(no_decay=exempt)
+    world, overrides = STRATEGIES[name]
+    plan = TP_PLAN if "parallel.tp=2" in overrides else None
+    run_workers(_train, world, [*overrides, "optim.no_decay=1d,embed.pos"], tmp_path, plan, timeout=120)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert_close([row["loss"] for row in logged], losses, **TOL)
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    for key, value in params.items():
+        assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    decayed = expected[2]  # the same run with every parameter decayed ends elsewhere
+    assert any(not torch.allclose(saved[key], decayed[key], **TOL) for key in exempt)

@@ -148,13 +148,14 @@ def _calibrates_first(cfg) -> bool:
 
 def _needs_preflight(cfg) -> bool:
     """Whether anything the config alone cannot check is in play: a user's factory, model options,
-    model parallelism, injected faults, an optimizer other than the usual ones or its options."""
+    model parallelism, injected faults, an optimizer other than the usual ones or its options, the
+    parameters exempt from weight decay (their names are the model's)."""
     from paraloom.choices import OPTIMIZERS
     from paraloom.rules import is_factory
 
     return bool(is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options
                 or cfg.parallel.model_parallel or cfg.run.inject is not None
-                or cfg.optim.name.lower() not in OPTIMIZERS or cfg.optim.options)
+                or cfg.optim.name.lower() not in OPTIMIZERS or cfg.optim.options or cfg.optim.no_decay)
 
 
 def _resumable(run_dir: Path) -> Path:

@@ -13,11 +13,19 @@ from paraloom.data import DataSets
 from paraloom.errors import UserError
 from paraloom.models import MODELS, build_model
 from paraloom.models.user import load_user_model
+from paraloom.optim.groups import mark_no_decay
 from paraloom.rules import is_factory
 
 
 def make_model(cfg: Config, data: DataSets) -> nn.Module:
-    """The model `model.*` names: a user's factory, or a zoo model shaped for `data`."""
+    """The model `model.*` names: a user's factory, or a zoo model shaped for `data`; the parameters
+    `optim.no_decay` exempts from weight decay are marked (optim/groups.py)."""
+    model = _build(cfg, data)
+    mark_no_decay(model, cfg.optim.no_decay, model_name=f"model.name={cfg.model.name}")
+    return model
+
+
+def _build(cfg: Config, data: DataSets) -> nn.Module:
     name, options = cfg.model.name, cfg.model.options
     if is_factory(name):
         return load_user_model(name, options)

@@ -29,7 +29,7 @@ def optimizer_names() -> list[str]:
     return sorted((cls.__name__ for cls in _classes().values()), key=str.lower)
 
 
-def _accepted(cls: type) -> list[str] | None:
+def accepted_arguments(cls: type) -> list[str] | None:
     """The constructor's keyword arguments besides `params`; None where it takes any (**kwargs)."""
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]  # drop self
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
@@ -53,7 +53,7 @@ def check_optimizer(name: str, options: Mapping[str, Any] | None = None) -> type
     if not isinstance(options, Mapping):
         raise UserError(f"optim.options must be a mapping of {cls.__name__}'s keyword arguments, "
                         f"not {type(options).__name__}")
-    accepted = _accepted(cls)
+    accepted = accepted_arguments(cls)
     unknown = sorted(str(k) for k in options if accepted is not None and k not in accepted)
     if unknown:
         raise UserError(f"optim.options {', '.join(unknown)}: {cls.__name__} does not take "
@@ -74,7 +74,7 @@ def make_optimizer(name: str, params: Iterable, *, lr: float, momentum: float = 
     2.2M-parameter MLP, one thread) -- time every step spends outside communication.
     """
     cls = check_optimizer(name, options)
-    accepted = _accepted(cls)
+    accepted = accepted_arguments(cls)
     shorthand = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
     kwargs = {k: v for k, v in shorthand.items() if accepted is None or k in accepted}
     kwargs.update(options or {})

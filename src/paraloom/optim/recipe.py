@@ -10,6 +10,7 @@ import torch.distributed as dist
 from paraloom.config import Config
 from paraloom.optim.build import make_optimizer
 from paraloom.optim.clip import GlobalNormClip
+from paraloom.optim.groups import decay_groups
 from paraloom.optim.precision import LossScaler, autocast
 from paraloom.optim.schedule import lr_factor, make_schedule
 
@@ -30,7 +31,7 @@ class Recipe:
         optim = cfg.optim
         momentum = 0.0 if cfg.comm.compressor == "dgc" else optim.momentum  # see dgc_options
         self.base_lr = optim.scaled_lr(cfg.data.batch_size)
-        self.optimizer = make_optimizer(optim.name, params, lr=self.base_lr, momentum=momentum,
+        self.optimizer = make_optimizer(optim.name, decay_groups(params), lr=self.base_lr, momentum=momentum,
                                         weight_decay=optim.weight_decay, options=optim.options)
         self.schedule = make_schedule(self.optimizer, **schedule_options(cfg, total_steps))
         self.scaler = LossScaler() if cfg.run.precision == "fp16" else None

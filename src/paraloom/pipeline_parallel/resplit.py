@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraloom.errors import UserError
 from paraloom.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
@@ -99,6 +100,9 @@ def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer, parts: list[d
     """Load a model-parallel checkpoint's parts into a whole `model` and its `optimizer` (one group)."""
     from paraloom.pipeline_parallel.partition import model_pieces, piece_names
 
+    if len(optimizer.param_groups) != 1:
+        raise UserError("a model-parallel checkpoint resumes under data parallelism with an optimizer of one "
+                        "parameter group; with optim.no_decay, resume it on the grid it saved with")
     whole, whole_optim = whole_state(parts)
     names = piece_names(model, model_pieces(model))
     user = {_user_key(key, names): key for key in whole}

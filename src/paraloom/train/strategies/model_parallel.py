@@ -29,6 +29,7 @@ from paraloom.data import DataSets, Split, collate
 from paraloom.data.text import VOCAB, unigram_loss
 from paraloom.errors import UserError
 from paraloom.models.make import make_model
+from paraloom.optim.groups import mark_no_decay
 from paraloom.optim.trust import TrustRatioOptimizer
 from paraloom.pipeline_parallel import Chunks, PipelineStage, split_microbatches, stage_module
 from paraloom.pipeline_parallel.partition import model_pieces, piece_names
@@ -129,6 +130,7 @@ class ModelParallelStrategy(EngineStrategy):
                 raise UserError(f"parallel.tp={tp} needs a tensor-parallel plan: set model.tp_plan "
                                 "(pattern -> colwise/rowwise/vocab/replicate) or give the model one")
             apply_tp_plan(full, plan, self.groups.tp_group)
+            mark_no_decay(full, cfg.optim.no_decay)  # the split layers' parameters are new ones
             pieces = model_pieces(full)  # a piece the plan replaced is its parallel layer now
         if self.v == 1:
             return stage_module(pieces, self.bounds, self.groups.pp_rank).to(device)
