@@ -86,3 +86,28 @@ def test_a_model_parallel_checkpoint_goes_on_on_another_grid(saved, resumed, tmp
         atol=1e-5,
     )
     assert f"saved by {saved_world} ranks, resumed on {world}" in capfd.readouterr().err
+
+
+def _run_or_refuse(rank, world, settings, run_dir):
+    from paraloom.errors import UserError
+
+    try:
+        _run(rank, world, settings, run_dir)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
+def test_two_parameter_groups_resume_on_their_own_grid_only(tmp_path):
+    """optim.no_decay gives the optimizer two groups, whose state a resplit does not cut: the
+    checkpoint resumes on its grid and is refused on another, in one line, not half-loaded."""
+    groups = ["optim.no_decay=1d", "optim.weight_decay=0.01", "optim.max_steps=5"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    run_workers(_run, 2, ["parallel.tp=2", *groups], straight, timeout=180)
+    same = _from(straight, 5, tmp_path / "same")
+    assert run_workers(_run_or_refuse, 2, ["parallel.tp=2", *groups], same, timeout=180) == [None, None]
+    for world, grid in ((2, ["parallel.pp=2", MB]), (1, [])):  # another grid; data parallelism
+        copy = _from(straight, 5, tmp_path / f"world{world}")
+        refusals = run_workers(_run_or_refuse, world, [*grid, *groups], copy, timeout=180)
+        assert all(r is not None and "resume" in r and "grid" in r for r in refusals), refusals
