@@ -145,6 +145,7 @@ class OptimConfig:
     base_batch: int = 64  # the global batch `lr` was tuned for (scale_lr)
     clip_norm: float | None = None  # clip the gradient to this global L2 norm (None: no clipping)
     # parameters named as named_parameters() gives them, comma-separated; 1d: every bias and norm scale
+    label_smoothing: float = 0.0  # cross-entropy's (Szegedy et al. 2016), of the training loss only
     no_decay: str | None = None  # trained without weight decay: "*.bias,*norm*", or 1d (optim/groups.py)
 
     def __post_init__(self) -> None:
@@ -161,6 +162,8 @@ class OptimConfig:
             raise UserError("optim.momentum, optim.weight_decay and optim.warmup_steps must not be negative")
         if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 < self.step_gamma <= 1.0:
             raise UserError("optim.min_lr_ratio must lie in [0, 1] and optim.step_gamma in (0, 1]")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise UserError(f"optim.label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise UserError(f"optim.clip_norm={self.clip_norm} must be positive (or null: no clipping)")
 

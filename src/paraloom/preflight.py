@@ -38,6 +38,10 @@ def preflight(cfg: Config, world: int) -> DataSets | None:
             or cfg.parallel.model_parallel or cfg.run.inject is not None or cfg.optim.no_decay):
         return None
     data = load_data(cfg)
+    if cfg.optim.label_smoothing and data.loss == "model":
+        raise UserError(f"optim.label_smoothing={cfg.optim.label_smoothing} smooths paraloom's "
+                        f"cross-entropy; data.name={cfg.data.name}'s model returns its own loss "
+                        "(loss='model'): smooth it there")
     with torch.device("meta"):
         model = make_model(cfg, data)  # optim.no_decay's patterns checked against its names here
     if cfg.parallel.model_parallel:

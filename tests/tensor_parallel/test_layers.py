@@ -78,14 +78,16 @@ def _cross_entropy(rank, world):
     torch.manual_seed(0)
     logits = (30 * torch.randn(4, 6, 16)).requires_grad_()  # large logits: the max must be subtracted
     targets = torch.randint(0, 16, (4, 6))
-    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    ref.backward()
     share = slice(rank * 16 // world, (rank + 1) * 16 // world)
-    local = logits.detach()[..., share].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, targets)
-    assert_close(loss, ref)
-    loss.backward()
-    assert_close(local.grad, logits.grad[..., share])
+    for smoothing in (0.0, 0.1):  # label smoothing: one more sum in the same all-reduce
+        logits.grad = None
+        ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=smoothing)
+        ref.backward()
+        local = logits.detach()[..., share].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, targets, smoothing=smoothing)
+        assert_close(loss, ref)
+        loss.backward()
+        assert_close(local.grad, logits.grad[..., share])
     return True
 
 

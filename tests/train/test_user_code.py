@@ -131,10 +131,11 @@ def _factor(step):
     return 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
 
 
-def reference(optimizer_name="adamw", no_decay=()):
+def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0):
     """One process, plain torch (paraloom's LAMB, tested against the paper elsewhere): per-step mean
     losses, the gradient norms before clipping, and the final parameters. `no_decay`: names of
-    parameters in a group of their own without weight decay, as a user's script would write it."""
+    parameters in a group of their own without weight decay, as a user's script would write it;
+    `smoothing`: the loss's label smoothing."""
     torch.manual_seed(0)
     model, data = make_model(), make_data()
     make = {"adamw": torch.optim.AdamW, "lamb": LAMB}[optimizer_name]
@@ -154,7 +155,8 @@ def reference(optimizer_name="adamw", no_decay=()):
         total = 0.0
         for xs, ys in zip(x.tensor_split(2), y.tensor_split(2), strict=True):  # two accumulated halves
             out = model(xs)
-            loss = F.cross_entropy(out.reshape(-1, VOCAB), ys.reshape(-1), reduction="sum") / SEQ / len(x)
+            loss = F.cross_entropy(out.reshape(-1, VOCAB), ys.reshape(-1), reduction="sum",
+                                   label_smoothing=smoothing) / SEQ / len(x)
             loss.backward()
             total += float(loss.detach())
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
@@ -223,21 +225,27 @@ def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, 
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2_1f1b"])
-def test_parameters_exempt_from_weight_decay_train_like_a_script_with_two_groups(name, expected, tmp_path):
+@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2_1f1b", "ps_bsp_2workers"])
+def test_no_decay_groups_and_label_smoothing_train_like_a_script(name, expected, tmp_path):
     """optim.no_decay="1d,embed.pos": every bias and norm scale and one 2-D parameter by name train
     without weight decay, as two parameter groups in a plain script do; under tensor parallelism the
-    split layers' new parameters are marked again, and a pipeline stage keeps the whole model's names."""
+    split layers' new parameters are marked again, and a pipeline stage keeps the whole model's names.
+    optim.label_smoothing=0.1 as F.cross_entropy's, also of tensor parallelism's vocabulary-split logits.
+    The parameter server refuses no_decay (its slices cut across parameters): smoothing alone there."""
     named = dict(make_model().named_parameters())
-    exempt = {n for n, p in named.items() if p.dim() < 2 or n == "embed.pos"}
-    losses, _, params = reference(no_decay=exempt)
+    ps = name.startswith("ps")
+    exempt = set() if ps else {n for n, p in named.items() if p.dim() < 2 or n == "embed.pos"}
+    losses, _, params = reference(no_decay=exempt, smoothing=0.1)
     world, overrides = STRATEGIES[name]
     plan = TP_PLAN if "parallel.tp=2" in overrides else None
-    run_workers(_train, world, [*overrides, "optim.no_decay=1d,embed.pos"], tmp_path, plan, timeout=120)
+    extra = ["optim.label_smoothing=0.1"] + ([] if ps else ["optim.no_decay=1d,embed.pos"])
+    run_workers(_train, world, [*overrides, *extra], tmp_path, plan, timeout=120)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert_close([row["loss"] for row in logged], losses, **TOL)
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     for key, value in params.items():
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
     decayed = expected[2]  # the same run with every parameter decayed ends elsewhere
-    assert any(not torch.allclose(saved[key], decayed[key], **TOL) for key in exempt)
+    assert ps or any(not torch.allclose(saved[key], decayed[key], **TOL) for key in exempt)
+    unsmoothed = reference(no_decay=exempt)[0]  # and without smoothing its losses are others
+    assert not torch.allclose(torch.tensor(unsmoothed), torch.tensor(losses), **TOL)

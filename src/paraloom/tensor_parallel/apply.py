@@ -47,15 +47,16 @@ def trace_tensor_parallel(module: nn.Module, timeline: Timeline | None) -> int:
 
 
 def tp_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None = None,
-            timeline: Timeline | None = None) -> torch.Tensor:
+            timeline: Timeline | None = None, *, smoothing: float = 0.0) -> torch.Tensor:
     """Mean cross-entropy of logits (B, C) or (B, T, V) against targets (B,) or (B, T): of
     vocabulary-parallel logits (a column-parallel layer left them split, `is_tp_sharded`) over
     `group`, of whole logits as `F.cross_entropy` on them flattened. `timeline` records the
-    collectives (lane "tp") while active.
+    collectives (lane "tp") while active. `smoothing`: label smoothing, as `F.cross_entropy`'s.
     """
     if not is_tp_sharded(logits):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return vocab_parallel_cross_entropy(logits, targets, group, timeline)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               label_smoothing=smoothing)
+    return vocab_parallel_cross_entropy(logits, targets, group, timeline, smoothing=smoothing)
 
 
 def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:

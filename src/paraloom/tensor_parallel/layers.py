@@ -223,13 +223,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy over logits split by vocabulary (Shoeybi et al. 2019, section 3)."""
+    """Per-token cross-entropy over logits split by vocabulary (Shoeybi et al. 2019, section 3).
+
+    With label smoothing e (Szegedy et al. 2016) the target is (1 - e) one-hot + e / V, so the loss is
+    log-sum-exp - (1 - e) logit_y - e mean(logits) and its gradient softmax - (1 - e) one-hot - e / V:
+    the mean needs each rank's sum of its logits, added in the same all-reduce as the rest.
+    """
 
     @staticmethod
-    def forward(ctx, logits, targets, group, timeline):
+    def forward(ctx, logits, targets, group, timeline, smoothing=0.0):
         n_local = logits.shape[-1]
         start = group_rank(group) * n_local
-        ctx.dtype = logits.dtype
+        ctx.dtype, ctx.smoothing, ctx.vocab = logits.dtype, smoothing, n_local * group_size(group)
         logits = logits.float()
         top = timed(timeline, "all_reduce max cross_entropy forward", all_reduce, logits.max(dim=-1).values,
                     group, op=dist.ReduceOp.MAX)
@@ -238,30 +243,40 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = (targets - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
-        picked, total = timed(timeline, "all_reduce sum cross_entropy forward", all_reduce,
-                              torch.stack([picked, exp.sum(dim=-1)]), group)  # one collective
+        sums = [picked, exp.sum(dim=-1)] + ([shifted.sum(dim=-1)] if smoothing else [])
+        sums = timed(timeline, "all_reduce sum cross_entropy forward", all_reduce, torch.stack(sums),
+                     group)  # one collective
+        picked, total = sums[0], sums[1]
         softmax = exp.div_(total.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, outside)
+        if smoothing:
+            return total.log() - (1.0 - smoothing) * picked - smoothing * sums[2] / ctx.vocab
         return total.log() - picked
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local, outside = ctx.saved_tensors
         out = softmax.clone()
-        out.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(out.dtype).unsqueeze(-1))
-        return out.mul_(grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+        hit = (~outside).to(out.dtype).unsqueeze(-1) * (1.0 - ctx.smoothing)
+        out.scatter_add_(-1, local.unsqueeze(-1), -hit)
+        if ctx.smoothing:
+            out.sub_(ctx.smoothing / ctx.vocab)
+        return out.mul_(grad.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
-                                 group: Group = None, timeline: Timeline | None = None) -> torch.Tensor:
+                                 group: Group = None, timeline: Timeline | None = None, *,
+                                 smoothing: float = 0.0) -> torch.Tensor:
     """Mean token cross-entropy of vocabulary-parallel logits (..., vocab / tp) against targets (...);
-    equal to F.cross_entropy over the full logits. Rank r holds the r-th contiguous vocabulary range.
+    equal to F.cross_entropy over the full logits (`smoothing`: its label_smoothing). Rank r holds the
+    r-th contiguous vocabulary range.
     `timeline` records its two forward all-reduces (backward runs none)."""
     if local_logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(local_logits.shape)} and targets {tuple(targets.shape)} "
                          "differ before the vocabulary dimension")
     timeline = timeline if group_size(group) > 1 else None  # one rank: the all-reduces are copies
-    losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), targets.flatten(), group, timeline)
+    losses = _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2), targets.flatten(), group, timeline,
+                                              smoothing)
     return losses.mean().to(local_logits.dtype)
 
 

@@ -10,10 +10,11 @@ from torch.utils.data import DataLoader
 
 from paraloom.config import Config
 from paraloom.data import DataSets, collate
+from paraloom.errors import UserError
 
 
 def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, scale: float,
-               loss: str = "classification") -> tuple[torch.Tensor, torch.Tensor]:
+               loss: str = "classification", smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to back-propagate, summed loss of this shard's samples).
 
     The back-propagated loss is the shard's summed loss times `scale`, dp_world_size / global_count
@@ -21,15 +22,18 @@ def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, scale: flo
     data/sampler.py), so that averaging gradients over the data-parallel group gives exactly the
     gradient of the global batch's mean loss. A sample with several targets (a sequence's tokens)
     counts by its mean loss per target; a model that returns its loss (`loss="model"`) is taken to
-    return the mean over its batch.
+    return the mean over its batch. `smoothing`: cross-entropy's label smoothing.
     """
     if loss == "model":
+        if smoothing:
+            raise UserError("label smoothing applies to paraloom's cross-entropy, not the model's own loss")
         loss_sum = model(x, y) * len(x)
     else:
         out = model(x)
         per_sample = y[0].numel() if y.dim() > 1 else 1
         flat = out.reshape(-1, out.shape[-1])
-        loss_sum = F.cross_entropy(flat, y.reshape(-1), reduction="sum") / per_sample
+        summed = F.cross_entropy(flat, y.reshape(-1), reduction="sum", label_smoothing=smoothing)
+        loss_sum = summed / per_sample
     reported = loss_sum.detach() if scale else torch.zeros_like(loss_sum.detach())
     return loss_sum * scale, reported
 

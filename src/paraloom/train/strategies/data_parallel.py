@@ -51,7 +51,8 @@ class DataParallelStrategy(EngineStrategy):
         for i, (xs, ys) in enumerate(pieces):
             with self.engine.no_sync() if i < len(pieces) - 1 else contextlib.nullcontext():  # sync once
                 with recipe.autocast():
-                    loss, part = batch_loss(self.engine, xs, ys, scale=scale, loss=self.data.loss)
+                    loss, part = batch_loss(self.engine, xs, ys, scale=scale, loss=self.data.loss,
+                                            smoothing=self.cfg.optim.label_smoothing)
                 recipe.backward(loss)
             loss_sum = part.float() + loss_sum
         computed = time.perf_counter() - began

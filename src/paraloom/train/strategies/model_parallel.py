@@ -97,7 +97,8 @@ class ModelParallelStrategy(EngineStrategy):
             for p in sharded:
                 self.optimizer.set_segments(p, None, 1, groups.tp_group)
         self.loss_factor = 1.0  # of the loss back-propagated: fp16's scale / the accumulated runs
-        loss_fn = lambda out, y: tp_loss(out, y, groups.tp_group) * self.loss_factor  # noqa: E731
+        smoothing = cfg.optim.label_smoothing
+        loss_fn = lambda out, y: tp_loss(out, y, groups.tp_group, smoothing=smoothing) * self.loss_factor  # noqa: E731
         self.stage = PipelineStage(self.engine, pp_group=groups.pp_group, static_shapes=True,  # steps alike
                                    loss_fn=loss_fn if self.last else None, timeline=timeline,
                                    virtual_stages=self.v)

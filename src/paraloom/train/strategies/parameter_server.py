@@ -137,7 +137,8 @@ class ParameterServerStrategy(Strategy):
             holds = i < len(pieces) - 1 or clip is not None  # one push, after the clip if any
             with client.holding() if holds else contextlib.nullcontext():
                 with autocast(self.device, self.cfg.run.precision):
-                    loss, part = batch_loss(self.model, xs, ys, scale=scale, loss=self.data.loss)
+                    loss, part = batch_loss(self.model, xs, ys, scale=scale, loss=self.data.loss,
+                                            smoothing=self.cfg.optim.label_smoothing)
                 loss.backward()  # with overlap, each slice's push leaves from here
             loss_sum = part.float() + loss_sum
         computed = time.perf_counter() - began - (client.wait_seconds - waited)  # waiting is not computing
