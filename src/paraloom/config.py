@@ -145,6 +145,7 @@ class OptimConfig:
     base_batch: int = 64  # the global batch `lr` was tuned for (scale_lr)
     clip_norm: float | None = None  # clip the gradient to this global L2 norm (None: no clipping)
     # parameters named as named_parameters() gives them, comma-separated; 1d: every bias and norm scale
+    ema: float | None = None  # decay of a moving average of the weights (AveragedModel's EMA): model_ema.pt
     label_smoothing: float = 0.0  # cross-entropy's (Szegedy et al. 2016), of the training loss only
     no_decay: str | None = None  # trained without weight decay: "*.bias,*norm*", or 1d (optim/groups.py)
 
@@ -162,6 +163,8 @@ class OptimConfig:
             raise UserError("optim.momentum, optim.weight_decay and optim.warmup_steps must not be negative")
         if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 < self.step_gamma <= 1.0:
             raise UserError("optim.min_lr_ratio must lie in [0, 1] and optim.step_gamma in (0, 1]")
+        if self.ema is not None and not 0.0 < self.ema < 1.0:
+            raise UserError(f"optim.ema={self.ema} is the average's decay: it must lie in (0, 1), e.g. 0.999")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise UserError(f"optim.label_smoothing={self.label_smoothing} must lie in [0, 1)")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -314,7 +317,8 @@ class Config:
         rules.check_strategy_settings(self.strategy, self.changed(), device=self.run.device)
         rules.check_recipe(self.strategy, clip_norm=self.optim.clip_norm, precision=self.run.precision,
                            guard_nan=self.guard.nan, scheduler=self.comm.scheduler,
-                           no_decay=self.optim.no_decay, shard_optimizer=self.comm.shard_optimizer)
+                           no_decay=self.optim.no_decay, shard_optimizer=self.comm.shard_optimizer,
+                           ema=self.optim.ema, sync=self.comm.sync)
 
     @property
     def strategy(self) -> str:

@@ -149,8 +149,11 @@ def check_strategy_settings(strategy: str, changed: dict[str, object], *, device
 
 
 def check_recipe(strategy: str, *, clip_norm: float | None, precision: str, guard_nan: bool,
-                 scheduler: str, no_decay: str | None = None, shard_optimizer: bool = False) -> None:
+                 scheduler: str, no_decay: str | None = None, shard_optimizer: bool = False,
+                 ema: float | None = None, sync: str = "sync") -> None:
     """The optimizer recipe (optim.*, run.precision) against the strategy that must honour it."""
+    if ema is not None:
+        check_weight_average(strategy, scheduler=scheduler, sync=sync)
     if no_decay is not None and not no_decay.replace(",", "").strip():
         raise UserError("optim.no_decay names no parameter; give name patterns (\"*.bias,*norm*\") or 1d")
     if no_decay and strategy == "parameter_server":
@@ -169,6 +172,19 @@ def check_recipe(strategy: str, *, clip_norm: float | None, precision: str, guar
     if precision == "fp16" and not guard_nan:
         raise UserError("run.precision=fp16 skips the steps whose scaled gradients overflow through the "
                         "non-finite guard: leave guard.nan=true")
+
+
+def check_weight_average(strategy: str, *, scheduler: str, sync: str) -> None:
+    """optim.ema averages the weights each step leaves; where a step leaves none to read, refuse."""
+    if strategy == "parameter_server":
+        raise UserError("the parameter_server strategy does not keep optim.ema so far: the weights live on "
+                        "its servers, a worker holds only what it last pulled")
+    if scheduler in ("priority", "auto"):
+        raise UserError(f"optim.ema averages the weights after each step; comm.scheduler={scheduler} "
+                        "(priority) applies a step's updates during the next forward: use wait_free or fifo")
+    if sync in ("one_step_delay", "local_sgd"):
+        raise UserError(f"optim.ema averages one set of weights; comm.sync={sync} steps replicas that differ "
+                        "between synchronizations: use comm.sync=sync")
 
 
 def check_parallel_layout(*, mode: str, tp: int, pp: int, microbatches: int) -> None:

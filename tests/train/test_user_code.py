@@ -131,11 +131,12 @@ def _factor(step):
     return 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
 
 
-def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0):
+def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0, ema=None):
     """One process, plain torch (paraloom's LAMB, tested against the paper elsewhere): per-step mean
     losses, the gradient norms before clipping, and the final parameters. `no_decay`: names of
     parameters in a group of their own without weight decay, as a user's script would write it;
-    `smoothing`: the loss's label smoothing."""
+    `smoothing`: the loss's label smoothing; `ema`: the decay of torch's AveragedModel EMA, whose
+    final state is returned fourth."""
     torch.manual_seed(0)
     model, data = make_model(), make_data()
     make = {"adamw": torch.optim.AdamW, "lamb": LAMB}[optimizer_name]
@@ -146,6 +147,8 @@ def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0):
                   {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
     optimizer = make(params, lr=LR, weight_decay=WD, eps=EPS)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
+    averaged = None if ema is None else torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(ema), use_buffers=True)
     sampler = ShardedBatchSampler(len(data.train), BATCH, rank=0, world=1, seed=0)
     sampler.set_epoch(0)
     losses, norms = [], []
@@ -164,6 +167,10 @@ def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0):
         schedule.step()
         optimizer.zero_grad()
         losses.append(total)
+        if averaged is not None:
+            averaged.update_parameters(model)
+    if averaged is not None:
+        return losses, norms, model.state_dict(), averaged.module.state_dict()
     return losses, norms, model.state_dict()
 
 
@@ -226,19 +233,21 @@ def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, 
 
 
 @pytest.mark.parametrize("name", ["dp2", "tp2", "pp2_1f1b", "ps_bsp_2workers"])
-def test_no_decay_groups_and_label_smoothing_train_like_a_script(name, expected, tmp_path):
+def test_no_decay_groups_label_smoothing_and_ema_train_like_a_script(name, expected, tmp_path):
     """optim.no_decay="1d,embed.pos": every bias and norm scale and one 2-D parameter by name train
     without weight decay, as two parameter groups in a plain script do; under tensor parallelism the
     split layers' new parameters are marked again, and a pipeline stage keeps the whole model's names.
     optim.label_smoothing=0.1 as F.cross_entropy's, also of tensor parallelism's vocabulary-split logits.
-    The parameter server refuses no_decay (its slices cut across parameters): smoothing alone there."""
+    optim.ema=0.8: model_ema.pt is torch's AveragedModel EMA of the weights, gathered from the ranks.
+    The parameter server refuses no_decay and ema (its weights live on the servers, in slices that cut
+    across parameters): smoothing alone there."""
     named = dict(make_model().named_parameters())
     ps = name.startswith("ps")
     exempt = set() if ps else {n for n, p in named.items() if p.dim() < 2 or n == "embed.pos"}
-    losses, _, params = reference(no_decay=exempt, smoothing=0.1)
+    losses, _, params, *ema = reference(no_decay=exempt, smoothing=0.1, ema=None if ps else 0.8)
     world, overrides = STRATEGIES[name]
     plan = TP_PLAN if "parallel.tp=2" in overrides else None
-    extra = ["optim.label_smoothing=0.1"] + ([] if ps else ["optim.no_decay=1d,embed.pos"])
+    extra = ["optim.label_smoothing=0.1"] + ([] if ps else ["optim.no_decay=1d,embed.pos", "optim.ema=0.8"])
     run_workers(_train, world, [*overrides, *extra], tmp_path, plan, timeout=120)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert_close([row["loss"] for row in logged], losses, **TOL)
@@ -249,3 +258,11 @@ def test_no_decay_groups_and_label_smoothing_train_like_a_script(name, expected,
     assert ps or any(not torch.allclose(saved[key], decayed[key], **TOL) for key in exempt)
     unsmoothed = reference(no_decay=exempt)[0]  # and without smoothing its losses are others
     assert not torch.allclose(torch.tensor(unsmoothed), torch.tensor(losses), **TOL)
+    if ema:
+        averaged = torch.load(tmp_path / "model_ema.pt", weights_only=True)
+        assert averaged.keys() == ema[0].keys()
+        for key, value in ema[0].items():
+            assert_close(averaged[key], value, **TOL, msg=lambda m, key=key: f"ema {key}: {m}")
+        assert any(not torch.allclose(averaged[k], saved[k], **TOL) for k in saved)  # not the weights
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert 0 <= summary["ema_test_accuracy"] <= 1 and summary["ema_val_loss"] > 0

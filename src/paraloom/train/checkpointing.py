@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from paraloom.config import Config
 from paraloom.errors import UserError
+from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.contract import replan
 from paraloom.train.checkpoint import (
     PendingSave,
@@ -42,6 +43,7 @@ class Checkpoints:
     started_at: float
     pending: PendingSave | None
     async_group: dist.ProcessGroup | None
+    ema: WeightAverage | None
 
 
     def resume(self) -> int | None:
@@ -93,9 +95,11 @@ class Checkpoints:
         self.step = int(local.pop("step"))
         self.counters.update(local.pop("counters", {}))
         rng = local.pop("rng")
+        self.load_weight_average(local.pop("ema", None), resized and (saved_grid is not None or
+                                                                    self.strategy.grid_record() is not None))
         if resized:
             for other in others:
-                for key in ("step", "counters", "rng"):
+                for key in ("step", "counters", "rng", "ema"):
                     other.pop(key, None)
             self.strategy.load_resized({**local, "shared": shared}, saved_world, others)
         else:
@@ -103,6 +107,18 @@ class Checkpoints:
         torch.set_rng_state(rng["torch"].cpu())
         if self.device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
+
+    def load_weight_average(self, state: dict[str, Any] | None, regridded: bool) -> None:
+        """optim.ema's average from the checkpoint: every data-parallel replica's is the same, so any
+        rank's serves another size; a stage's or a slice's serves only its own place in the grid."""
+        if self.ema is None:
+            return
+        if state is None or regridded:
+            why = "holds no weight average (it was saved without optim.ema)" if state is None else \
+                "cut the model another way (the weight average resumes only on the grid it was saved with)"
+            raise UserError(f"optim.ema={self.cfg.optim.ema}: the checkpoint in {self.run_dir} {why}; "
+                            "set another run.out_dir to start afresh")
+        self.ema.load_state_dict(state)
 
     def record_resize(self, step: int, saved_world: int, world: int) -> None:
         """Predict the step at the new size beside the old (the run's own profile) and keep the record."""
@@ -135,6 +151,8 @@ class Checkpoints:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         local = {"step": step, "counters": dict(self.counters), "rng": rng, **state}
+        if self.ema is not None:
+            local["ema"] = self.ema.state_dict()
         self.drain_saves()  # one checkpoint in flight at most
         self.pending = save_checkpoint(
             self.run_dir, step, local=local, shared=shared if self.is_main else None,

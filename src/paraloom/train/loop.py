@@ -25,6 +25,7 @@ from paraloom.config import Config
 from paraloom.config_faults import parse_faults
 from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
 from paraloom.errors import UserError
+from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel import history
 from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
@@ -108,6 +109,8 @@ class Loop(Checkpoints):
         # DCP writes from a thread of its own: its collectives get a gloo group of their own
         self.async_group = dist.new_group(backend="gloo", timeout=default_timeout()) \
             if cfg.run.async_checkpoint else None
+        # optim.ema: built once the strategy has bound its tensors (the engine's flat buffers)
+        self.ema = WeightAverage(strategy.model, cfg.optim.ema) if cfg.optim.ema is not None else None
         self.resumed = self.resume()
 
     def make_contract(self) -> Contract:
@@ -150,6 +153,10 @@ class Loop(Checkpoints):
                 self.timeline.active = False
             self.operation = "final synchronization and evaluation"
             results = strategy.finish()
+            if self.ema is not None:  # the weight average, evaluated as the weights are
+                with self.ema.applied():
+                    averaged = strategy.finish()
+                results.update(ema_test_accuracy=averaged["test_accuracy"], ema_val_loss=averaged["val_loss"])
         except Exception as exc:
             if self.world > 1 and is_comm_failure(exc) and \
                     not isinstance(exc, (PeerFailure, TooManyBadSteps)):
@@ -189,6 +196,8 @@ class Loop(Checkpoints):
         self.faults.computed(result.compute_seconds - self.faults.slept)
         self.step = step
         self.guard(result)
+        if self.ema is not None and result.stepped:
+            self.ema.update()
         if timeline is not None:
             timeline.span(f"step {step}", "step", step_start, timeline.now())
         if self.marker is not None:
@@ -335,10 +344,18 @@ class Loop(Checkpoints):
             trace_dir = self.run_dir / "trace"
             self.timeline.write(trace_dir / f"rank{self.rank}.json")  # every rank writes its own
             summary["trace_dir"] = str(trace_dir)
-        model = strategy.full_state_dict() if cfg.run.save_model and self.run_dir is not None else None
+        saving = cfg.run.save_model and self.run_dir is not None
+        model = strategy.full_state_dict() if saving else None  # collective: on every rank
+        averaged = None
+        if saving and self.ema is not None:
+            with self.ema.applied():  # copied out: a state dict may hold the model's own tensors
+                averaged = strategy.full_state_dict()
+                averaged = None if averaged is None else {k: v.clone() for k, v in averaged.items()}
         if self.is_main and self.run_dir is not None:
             if model is not None:
                 save_state(self.run_dir / "model.pt", model)
+            if averaged is not None:
+                save_state(self.run_dir / "model_ema.pt", averaged)
             write_json(self.run_dir / "summary.json", summary)
             history.record(self.run_dir, cfg.to_dict(), summary)  # `paraloom history`
         return summary
