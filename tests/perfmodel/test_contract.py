@@ -94,6 +94,63 @@ def test_the_prediction_is_written_once_and_a_failure_never_stops_the_run(tmp_pa
     assert "error" in out and "no prediction of this run" in capsys.readouterr().err
 
 
+USER_CODE = """
+import torch
+from torch import nn
+from paraloom.data import DataSets
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n, width):
+        self.x, self.y = torch.randn(n, width), torch.arange(n) % 3
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def make_model(width=12, hidden=64, act="relu"):
+    return nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+
+
+def make_data(width=12):
+    return DataSets(Rows(64, width), Rows(16, width), n_classes=3)
+"""
+
+
+@pytest.mark.parametrize("model", ["plm_predict:make_model", "mlp"])
+def test_a_run_of_the_users_own_model_or_data_predicts_itself(model, tmp_path, monkeypatch):
+    """A user's factories (with their options) are priced as `paraloom plan --model ... --data ...`
+    prices them: the model profiled on a batch of the data set's own samples; a zoo model is shaped
+    for the user's data set."""
+    (tmp_path / "plm_predict.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def predicted(hidden, width=20):
+        sizes = [f"model.options.hidden={hidden}", "model.options.act=gelu", f"model.options.width={width}"] \
+            if ":" in model else [f"model.hidden={hidden}"]
+        cfg = load_config(None, [f"model.name={model}", *sizes, "data.name=plm_predict:make_data",
+                                 f"data.options.width={width}", "data.batch_size=16",
+                                 "run.hardware=a100-ib-hdr"])
+        where = tmp_path / f"run{hidden}"
+        where.mkdir()
+        return load_or_predict(where, cfg, 2, 1)
+
+    wide, narrow = predicted(96), predicted(32)
+    assert "terms" in wide, wide
+    assert wide["plan"] == "dp2 wait_free" and wide["terms"]["compute"] > 0
+    params = 20 * 96 + 96 + 96 * 3 + 3  # the options and the data's width reached the profile
+    assert params * 4 <= min(wide["peak_memory_bytes_per_rank"])
+    assert narrow["peak_memory_bytes_per_rank"] < wide["peak_memory_bytes_per_rank"]
+    bad = load_config(None, [f"model.name={model}", "data.name=plm_predict:make_data",
+                             "data.options.width=Wide", "run.hardware=a100-ib-hdr"])
+    (tmp_path / "bad").mkdir()
+    error = load_or_predict(tmp_path / "bad", bad, 2, 1)["error"]  # a note; the run goes on
+    assert "data.options.width='Wide' cannot be written in a planner spec" in error
+
+
 def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PARALOOM_HARDWARE")

@@ -378,7 +378,7 @@ def _measured_and_predicted(run: Path, hw: Hardware):
     summary, cfg = _finished(run)
     world = int(summary.get("world_size") or cfg.parallel.nproc)
     what = predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0))
-    profile = profile_model(what.spec, recompute=what.recompute)
+    profile = profile_model(what.spec, recompute=what.recompute, data=what.data)
     return measured_step_seconds(run), estimate(profile, hw, what.plan, what.global_batch, what.options)
 
 

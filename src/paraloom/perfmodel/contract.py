@@ -62,7 +62,7 @@ def predict(cfg, workers: int, hardware) -> dict[str, Any]:
 
     what = predictable(cfg, workers)
     dtype = cfg.run.precision
-    profile = profile_model(what.spec, dtype=dtype, recompute=what.recompute)
+    profile = profile_model(what.spec, dtype=dtype, recompute=what.recompute, data=what.data)
     plans = [what.plan]
     if cfg.comm.scheduler == "auto":  # the run keeps the fastest it measures: the model's fastest, priced
         plans = [dataclasses.replace(what.plan, scheduler=name) for name in SCHEDULERS]

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from paraloom.choices import AUTO_START_BUCKET_MB
 from paraloom.config import Config
+from paraloom.errors import UserError
 from paraloom.perfmodel.strategies import Options, Plan
+from paraloom.rules import is_factory
 
 
 @dataclass(frozen=True)
@@ -18,24 +20,47 @@ class Predictable:
     plan: Plan
     global_batch: int
     options: Options
+    data: str | None = None  # a user's data set, `package.module:factory[:k=v]`: the profile's input
 
 
 def spec_of(cfg: Config) -> str:
-    """The model spec for the config's model on the config's data (input shape and classes)."""
-    from paraloom.data import load_dataset
+    """The model spec for the config's model on the config's data (input shape and classes): a
+    user's factory with its options, or a zoo model shaped for the data set (a user's included)."""
+    from paraloom.data import load_dataset, load_user_data
     from paraloom.models import MODELS
 
+    if is_factory(cfg.model.name):
+        return factory_spec(cfg.model.name, cfg.model.options, "model.options")
     if cfg.model.name in ("gpt", "bert"):
         m = cfg.model
         return (f"{m.name}:layers={m.n_layers},hidden={m.d_model},heads={m.n_heads},"
                 f"seq={cfg.data.seq_len},vocab=256")
-    data = dataclasses.asdict(cfg.data)
-    split = load_dataset(data.pop("name"), **data)
+    if is_factory(cfg.data.name):  # the shape of its first sample, its classes
+        user = load_user_data(cfg.data.name, cfg.data.options)
+        input_shape, n_classes = tuple(user.train[0][0].shape), user.n_classes
+    else:
+        data = dataclasses.asdict(cfg.data)
+        data.pop("options")
+        split = load_dataset(data.pop("name"), **data)
+        input_shape, n_classes = split.input_shape, split.n_classes
     accepted = inspect.signature(MODELS[cfg.model.name]).parameters
-    args = [f"{k}={v}" for k, v in dataclasses.asdict(cfg.model).items()
+    args = [f"{k}={v}" for k, v in {**dataclasses.asdict(cfg.model), **cfg.model.options}.items()
             if k in accepted and k not in ("recompute",) and not isinstance(v, bool)]
-    shape = "x".join(str(n) for n in split.input_shape)
-    return f"{cfg.model.name}:" + ",".join([f"input={shape}", f"classes={split.n_classes}", *args])
+    shape = "x".join(str(n) for n in input_shape)
+    return f"{cfg.model.name}:" + ",".join([f"input={shape}", f"classes={n_classes}", *args])
+
+
+def factory_spec(name: str, options: dict, key: str) -> str:
+    """`package.module:factory[:k=v,...]`, as the planner reads a user's factory and its options
+    (numbers, true/false and lower-case names; anything else cannot be written so and is refused)."""
+    args = []
+    for k, v in options.items():
+        name_like = isinstance(v, str) and v.isidentifier() and v == v.lower()
+        if not (isinstance(v, (bool, int, float)) or name_like):
+            raise UserError(f"{key}.{k}={v!r} cannot be written in a planner spec: it takes numbers, "
+                            "true/false and lower-case names")
+        args.append(f"{k}={str(v).lower() if isinstance(v, bool) else v}")
+    return name + (":" + ",".join(args) if args else "")
 
 
 def predictable(cfg: Config, world: int) -> Predictable:
@@ -60,4 +85,7 @@ def predictable(cfg: Config, world: int) -> Predictable:
                       ps_partition_mb=cfg.ps.partition_mb, shard_optimizer=comm.shard_optimizer,
                       guard=cfg.guard.nan)
     recompute = cfg.model.recompute if cfg.model.name == "gpt" else "none"
-    return Predictable(spec_of(cfg), recompute, plan, cfg.data.batch_size, options)
+    data = cfg.data
+    data_spec = factory_spec(data.name, data.options, "data.options") if is_factory(data.name) else None
+    spec = spec_of(cfg)
+    return Predictable(spec, recompute, plan, cfg.data.batch_size, options, data_spec)
