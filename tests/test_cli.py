@@ -115,3 +115,17 @@ def test_public_api():
     assert set(paraloom.__all__) <= set(dir(paraloom)) | set(paraloom._LAZY)
     with pytest.raises(AttributeError):
         paraloom.nope  # noqa: B018
+
+
+@pytest.mark.parametrize(("extra", "shown", "hidden"), [
+    ({"test_accuracy": None}, ["validation loss"], ["test accuracy"]),  # the model returns its own loss
+    ({"test_accuracy": 0.9, "ema_test_accuracy": 0.95, "ema_val_loss": 0.2},
+     ["test accuracy", "0.9000", "weight average", "test accuracy 0.9500, validation loss 0.200"], []),
+])
+def test_the_summary_table_shows_what_the_run_measured(extra, shown, hidden, capsys, tmp_path):
+    from paraloom.cli.train import print_summary
+
+    print_summary({"wall_seconds": 1.0, "train_seconds": 0.5, "samples_per_second": 10.0, "val_loss": 0.3,
+                   "comm_bytes_per_step": 0.0, "comm_seconds_per_step": 0.0, **extra}, tmp_path)
+    out = capsys.readouterr().out
+    assert all(text in out for text in shown) and not any(text in out for text in hidden), out

@@ -192,7 +192,12 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
 
 def print_summary(summary: dict, run_dir: Path) -> None:
     table = Table(title=f"run {run_dir.name}", show_header=False)
-    table.add_row("test accuracy", f"{summary['test_accuracy']:.4f}")
+    if summary.get("test_accuracy") is not None:  # none where the model returns its own loss
+        table.add_row("test accuracy", f"{summary['test_accuracy']:.4f}")
+    if summary.get("ema_val_loss") is not None:  # optim.ema: the weight average, evaluated alike
+        accuracy = summary.get("ema_test_accuracy")
+        table.add_row("weight average", (f"test accuracy {accuracy:.4f}, " if accuracy is not None else "")
+                      + f"validation loss {summary['ema_val_loss']:.3f}")
     table.add_row("wall time", f"{summary['wall_seconds']:.1f} s "
                                f"(training {summary['train_seconds']:.1f} s)")
     table.add_row("throughput", f"{summary['samples_per_second']:,.0f} samples/s")
