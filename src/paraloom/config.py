@@ -144,9 +144,9 @@ class OptimConfig:
     scale_lr: bool = False  # linear scaling rule (Goyal et al. 2017): lr * data.batch_size / base_batch
     base_batch: int = 64  # the global batch `lr` was tuned for (scale_lr)
     clip_norm: float | None = None  # clip the gradient to this global L2 norm (None: no clipping)
-    # parameters named as named_parameters() gives them, comma-separated; 1d: every bias and norm scale
     ema: float | None = None  # decay of a moving average of the weights (AveragedModel's EMA): model_ema.pt
     label_smoothing: float = 0.0  # cross-entropy's (Szegedy et al. 2016), of the training loss only
+    # parameters named as named_parameters() gives them, comma-separated; 1d: every bias and norm scale
     no_decay: str | None = None  # trained without weight decay: "*.bias,*norm*", or 1d (optim/groups.py)
 
     def __post_init__(self) -> None:

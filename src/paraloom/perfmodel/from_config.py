@@ -26,6 +26,8 @@ class Predictable:
 def spec_of(cfg: Config) -> str:
     """The model spec for the config's model on the config's data (input shape and classes): a
     user's factory with its options, or a zoo model shaped for the data set (a user's included)."""
+    import torch
+
     from paraloom.data import load_dataset, load_user_data
     from paraloom.models import MODELS
 
@@ -37,7 +39,7 @@ def spec_of(cfg: Config) -> str:
                 f"seq={cfg.data.seq_len},vocab=256")
     if is_factory(cfg.data.name):  # the shape of its first sample, its classes
         user = load_user_data(cfg.data.name, cfg.data.options)
-        input_shape, n_classes = tuple(user.train[0][0].shape), user.n_classes
+        input_shape, n_classes = tuple(torch.as_tensor(user.train[0][0]).shape), user.n_classes
     else:
         data = dataclasses.asdict(cfg.data)
         data.pop("options")
