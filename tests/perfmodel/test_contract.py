@@ -151,6 +151,17 @@ def test_a_run_of_the_users_own_model_or_data_predicts_itself(model, tmp_path, m
     assert "data.options.width='Wide' cannot be written in a planner spec" in error
 
 
+@pytest.mark.parametrize(("settings", "kind"), [
+    (["optim.name=adam"], "adam"), (["optim.name=adamw"], "adam"), (["optim.name=lamb"], "adam"),
+    (["optim.name=sgd"], "momentum"), (["optim.name=sgd", "optim.momentum=0"], "sgd"),
+    (["optim.name=sgd", "optim.options.momentum=0"], "sgd"), (["optim.name=rmsprop"], "momentum"),
+])
+def test_an_optimizer_is_priced_by_the_state_it_keeps(settings, kind):
+    from paraloom.perfmodel.from_config import predictable
+
+    assert predictable(load_config(None, [*SMALL, *settings]), 2).options.optimizer == kind
+
+
 def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PARALOOM_HARDWARE")

@@ -65,6 +65,20 @@ def factory_spec(name: str, options: dict, key: str) -> str:
     return name + (":" + ",".join(args) if args else "")
 
 
+ADAM_LIKE = ("adam", "adamw", "nadam", "radam", "adamax", "lamb")  # two state tensors a parameter
+
+
+def optimizer_kind(name: str, momentum: float) -> str:
+    """The profile's optimizer class by the state it keeps a parameter: AdamW, NAdam, LAMB ... two
+    tensors ("adam"); SGD and LARS one with momentum, none without; RMSprop, Adagrad ... one."""
+    name = name.lower()
+    if name in ADAM_LIKE:
+        return "adam"
+    if name in ("sgd", "lars"):
+        return "momentum" if momentum else "sgd"
+    return "momentum"
+
+
 def predictable(cfg: Config, world: int) -> Predictable:
     """What to predict for `cfg` run on `world` workers (servers not counted)."""
     dp, tp, pp = cfg.grid(world)
@@ -80,7 +94,7 @@ def predictable(cfg: Config, world: int) -> Predictable:
                 sync=comm.sync if comm.sync != "local_sgd" else "sync",
                 compressor=comm.compressor, algorithm=comm.algorithm,
                 servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")
-    optimizer = "adam" if cfg.optim.name == "adam" else ("momentum" if cfg.optim.momentum else "sgd")
+    optimizer = optimizer_kind(cfg.optim.name, cfg.optim.options.get("momentum", cfg.optim.momentum))
     options = Options(optimizer=optimizer, first_bucket_mb=comm.first_bucket_mb,
                       bucket_mb=AUTO_START_BUCKET_MB if comm.bucket_mb == "auto" else comm.bucket_mb,
                       partition_mb=comm.partition_mb, credit_mb=comm.credit_mb,
