@@ -12,7 +12,7 @@ import yaml
 
 from paraloom import choices, rules
 from paraloom.config_faults import parse_faults
-from paraloom.config_io import coerce, merge, parse_overrides, read_yaml
+from paraloom.config_io import build_section, merge, parse_overrides, read_yaml
 from paraloom.config_world import grid, validate_world
 from paraloom.errors import UserError
 
@@ -355,7 +355,7 @@ class Config:
             values = raw.get(name) or {}
             if not isinstance(values, dict):
                 raise UserError(f"section {name!r} in {source} must be a mapping of keys")
-            built[name] = _build_section(name, section_type, values)
+            built[name] = build_section(name, section_type, values)
         return cls(**built)
 
     def processes(self, workers: int) -> int:
@@ -384,19 +384,6 @@ def _section_name(section: Any) -> str:
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
-
-
-def _build_section(name: str, section_type: type, values: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(section_type)
-    fields = {f.name: f for f in dataclasses.fields(section_type)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise UserError(f"unknown key {name}.{key}; keys of {name}: {', '.join(fields)}")
-        metadata = fields[key].metadata
-        kwargs[key] = coerce(f"{name}.{key}", value, hints[key], metadata.get("choices"),
-                             metadata.get("factory", False))
-    return section_type(**kwargs)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

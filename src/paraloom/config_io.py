@@ -1,7 +1,9 @@
-"""Config text: YAML read safely, dotted `--set` overrides, their merge, values checked against types."""
+"""Config text: YAML read safely, dotted `--set` overrides, their merge, values checked against types
+and built into a section."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import typing
@@ -128,3 +130,17 @@ def coerce(key: str, value: Any, tp: Any, allowed: tuple[str, ...] | None, facto
     wanted = " or ".join("a mapping" if typing.get_origin(o) is dict else type_text(o)
                          for o in options if o is not type(None))
     raise UserError(f"{key} must be {wanted}, got {value!r}")
+
+
+def build_section(name: str, section_type: type, values: dict[str, Any]) -> Any:
+    """A config section (a dataclass) from its mapping of keys: unknown keys and mistyped values refused."""
+    hints = typing.get_type_hints(section_type)
+    fields = {f.name: f for f in dataclasses.fields(section_type)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise UserError(f"unknown key {name}.{key}; keys of {name}: {', '.join(fields)}")
+        metadata = fields[key].metadata
+        kwargs[key] = coerce(f"{name}.{key}", value, hints[key], metadata.get("choices"),
+                             metadata.get("factory", False))
+    return section_type(**kwargs)
