@@ -1,5 +1,6 @@
 """A run's prediction of itself: terms adding up to the step, the record, the warnings, the file, the CLI."""
 
+import datetime
 import json
 import os
 import subprocess
@@ -12,7 +13,16 @@ from test_strategies import hardware, model
 
 from paraloom.config import load_config
 from paraloom.perfmodel import calibrate, history, machine_profile
-from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, off_terms, predicted_terms, report
+from paraloom.perfmodel.contract import (
+    TERMS,
+    Contract,
+    load_or_predict,
+    off_terms,
+    predicted_terms,
+    report,
+    stale_hint,
+    warning,
+)
 from paraloom.perfmodel.hardware import load_hardware
 from paraloom.perfmodel.strategies import Options, Plan, estimate
 from paraloom.train import train
@@ -66,6 +76,36 @@ def test_a_term_off_by_more_than_the_tolerance_warns_once_naming_its_cause(capsy
     assert "the link is slower" in err
     assert off_terms(_predicted(), contract.medians(), 0.25) == ["communication"]
     assert off_terms(_predicted(), contract.medians(), 0.6) == []  # 5 ms off, 6 ms allowed
+
+
+def test_a_calibrated_term_off_names_the_cached_profile_and_its_age():
+    cached = _predicted() | {"hardware_file": "/cache/hardware-vm-1t.yaml",
+                             "hardware_measured": "2026-11-27T23:45:00+00:00"}
+    now = datetime.datetime(2026, 11, 28, 8, 45, tzinfo=datetime.timezone.utc)
+    assert stale_hint(cached, now) == ("the profile is this machine's as calibrated 9 h ago "
+                                       "(/cache/hardware-vm-1t.yaml); delete that file to calibrate again "
+                                       "on the next run")
+    assert "calibrated 45 min ago" in stale_hint(cached, now.replace(day=28, hour=0, minute=30))
+    assert "calibrated 3 days ago" in stale_hint(cached, now.replace(day=30, hour=23))
+    measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.02, "compute": 0.016, "data": 0.004}
+    assert "/cache/hardware-vm-1t.yaml" in warning("compute", cached, measured)
+    assert "/cache/hardware-vm-1t.yaml" not in warning("data", cached, measured)  # not a calibrated rate
+    assert stale_hint(_predicted()) == "" and warning("compute", _predicted(), measured).endswith(
+        "or a profile of another machine")  # a preset or a file of the user's: nothing cached to blame
+
+
+def test_the_end_table_names_the_cached_profile_only_when_a_calibrated_term_is_off(capsys):
+    from paraloom.cli.train import print_contract
+
+    cached = _predicted() | {"hardware_file": "/cache/hw.yaml",
+                             "hardware_measured": "2026-11-27T23:45:00+00:00"}
+    measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.02, "compute": 0.016, "communication": 0.002}
+    print_contract(report(cached, [measured], tolerance=0.25))  # compute off by 8 ms of a 10 ms step
+    out = capsys.readouterr()
+    assert "compute" in out.out and "+100%" in out.out
+    assert "delete that file" in out.err and "/cache/hw.yaml" in out.err
+    print_contract(report(cached, [measured | {"compute": 0.008, "data": 0.010}], tolerance=0.25))
+    assert "delete that file" not in capsys.readouterr().err  # only data is off: not the profile's
 
 
 def test_the_report_holds_the_rank_that_sets_the_pace():
@@ -174,8 +214,20 @@ def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch
     assert calibrate.calibrate_once(1, progress=lambda _: None) == path and len(made) == 1  # once
     assert machine_profile.resolve_hardware("auto", 1).name == "a100-ib-hdr"
     assert machine_profile.resolve_hardware("auto", 2) is None  # another thread count: another profile
+    assert machine_profile.cached_source("auto", 1) == path
+    assert machine_profile.cached_source("auto", 2) is None
+    assert machine_profile.cached_source("a100-ib-hdr", 1) is None
+    for name in ("run", "preset"):
+        (tmp_path / name).mkdir()
+    predicted = load_or_predict(tmp_path / "run", load_config(None, SMALL), 2, 1)  # run.hardware=auto
+    assert predicted["hardware"] == "a100-ib-hdr" and predicted["hardware_file"] == str(path)
+    assert datetime.datetime.fromisoformat(predicted["hardware_measured"]).tzinfo is not None
+    preset = load_or_predict(tmp_path / "preset", load_config(None, [*SMALL, "run.hardware=a100-ib-hdr"]),
+                             2, 1)
+    assert "hardware_file" not in preset
     monkeypatch.setenv("PARALOOM_HARDWARE", "none")
     assert machine_profile.resolve_hardware("auto", 1) is None
+    assert machine_profile.cached_source("auto", 1) is None
     assert calibrate.calibrate_once(1, progress=lambda _: None) is None
 
 

@@ -229,7 +229,7 @@ def print_contract(contract: dict | None) -> None:
         reason = predicted.get("skipped") or predicted.get("error")
         Console(stderr=True).print(f"paraloom: no prediction: {reason}", highlight=False)
         return
-    from paraloom.perfmodel.contract import TERMS
+    from paraloom.perfmodel.contract import CALIBRATED, TERMS, stale_hint
 
     off = set(contract.get("off", []))
     table = Table(title=f"predicted ({predicted['hardware']}) and measured, ms per step")
@@ -241,3 +241,5 @@ def print_contract(contract: dict | None) -> None:
     table.add_row("step", f"{predicted['step_seconds'] * 1e3:.2f}", f"{measured['step'] * 1e3:.2f}",
                   f"{contract['step_error']:+.0%}")
     Console().print(table)
+    if off & set(CALIBRATED) and stale_hint(predicted):
+        Console(stderr=True).print(f"paraloom: {stale_hint(predicted)}", highlight=False)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 MIN_ROWS = 20  # steps measured after warm-up before a median is trusted enough to warn
@@ -36,6 +38,9 @@ CAUSES = {
     "update": "the optimizer step runs slower than calibrated",
     "overhead": "per-step host work the model does not price (Python, logging, checkpoints, guards)",
 }
+# terms priced from rates a calibration measured on this machine: where the profile is the one cached
+# on first use, the machine may have changed since (other load, another host behind the same name)
+CALIBRATED = ("compute", "communication", "codec", "update")
 
 
 def predicted_terms(estimate) -> dict[str, float]:
@@ -147,9 +152,29 @@ def off_terms(predicted: dict[str, Any], measured: dict[str, float], tolerance: 
 def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) -> str:
     p, m = predicted["terms"][term], measured[term]
     ratio = f"{m / p:.1f}x" if p > 0 else "more than"
+    hint = stale_hint(predicted) if term in CALIBRATED else ""
     return (f"{term} takes {m * 1e3:.2f} ms a step, {ratio} the {p * 1e3:.2f} ms predicted from hardware "
             f"profile {predicted['hardware']!r} (step {measured['step'] * 1e3:.2f} ms, predicted "
-            f"{predicted['step_seconds'] * 1e3:.2f} ms); likely cause: {CAUSES[term]}")
+            f"{predicted['step_seconds'] * 1e3:.2f} ms); likely cause: {CAUSES[term]}"
+            + (f"; {hint}" if hint else ""))
+
+
+def stale_hint(predicted: dict[str, Any], now: datetime.datetime | None = None) -> str:
+    """Where the prediction came from this machine's cached profile: its age and how to measure again."""
+    path, measured = predicted.get("hardware_file"), predicted.get("hardware_measured")
+    if not path or not measured:
+        return ""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    hours = (now - datetime.datetime.fromisoformat(measured)).total_seconds() / 3600
+    age = (f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.0f} h" if hours < 48
+           else f"{hours / 24:.0f} days")
+    return (f"the profile is this machine's as calibrated {age} ago ({path}); delete that file to "
+            "calibrate again on the next run")
+
+
+def _measured_at(path: Path) -> str:
+    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
+    return stamp.isoformat(timespec="seconds")
 
 
 def report(predicted: dict[str, Any] | None, per_rank: list[dict[str, float] | None], *,
@@ -177,7 +202,7 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
     profile it cannot price gives {"error": ...} and one line on stderr."""
     import json
 
-    from paraloom.perfmodel.machine_profile import resolve_hardware
+    from paraloom.perfmodel.machine_profile import cached_source, resolve_hardware
     from paraloom.train.metrics import write_json
 
     path = run_dir / PREDICTION
@@ -190,6 +215,9 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
                          "no hardware profile of this machine yet: `paraloom train` makes one on first use"}
         else:
             predicted = predict(cfg, workers, hardware)
+            source = cached_source(cfg.run.hardware, threads)
+            if source is not None:  # named by a warning, should a calibrated term come out off
+                predicted.update(hardware_file=str(source), hardware_measured=_measured_at(source))
     except Exception as exc:  # noqa: BLE001 (a prediction that fails must not stop the training)
         predicted = {"error": f"{type(exc).__name__}: {exc}"}
     write_json(path, predicted)

@@ -4,6 +4,8 @@ on loopback and cached, or a preset, or a YAML file.
 The cache lives in `$PARALOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/paraloom`, else
 `~/.cache/paraloom`, one file per host name and threads per worker (what the compute rates depend
 on); delete the file to measure again. `$PARALOOM_HARDWARE` stands in for "auto" where it is set.
+A profile measured once goes on describing the machine as it was then: a run that finds a term off
+names the file and its age (`cached_source`, perfmodel/contract.py).
 """
 
 from __future__ import annotations
@@ -39,4 +41,13 @@ def resolve_hardware(name: str, threads: int) -> Hardware | None:
     return load_hardware(name)
 
 
-__all__ = ["cache_dir", "cached_path", "resolve_hardware"]
+def cached_source(name: str, threads: int) -> Path | None:
+    """The cached file `resolve_hardware(name, threads)` reads, where it reads one; None for a preset,
+    a YAML file the user wrote, `$PARALOOM_HARDWARE`, or no calibration yet."""
+    if name != "auto" or os.environ.get("PARALOOM_HARDWARE"):
+        return None
+    path = cached_path(threads)
+    return path if path.is_file() else None
+
+
+__all__ = ["cache_dir", "cached_path", "cached_source", "resolve_hardware"]
