@@ -194,6 +194,29 @@ def test_a_gpu_run_predicts_itself_and_measures_its_peak_memory(tmp_path):
     assert "predicted (h200-ib-ndr) and measured" in done.stdout
 
 
+def test_a_gpu_run_calibrates_the_gpu_on_first_use_and_predicts_itself_from_it(tmp_path):
+    """run.hardware=auto on a GPU: the GPU's own profile (calibrate --device cuda), made once and
+    cached beside the CPU's, never the CPU's loopback rates."""
+    cache = tmp_path / "cache"
+    env = {key: value for key, value in os.environ.items() if key != "PARALOOM_HARDWARE"}
+    env.update(PYTHONPATH=str(ROOT / "src"), PARALOOM_CACHE_DIR=str(cache))
+    items = [*GPT, "run.device=cuda", "optim.max_steps=30", f"run.out_dir={tmp_path / 'runs'}"]
+    sets = [arg for item in items for arg in ("--set", item)]
+    for name in ("first", "second"):
+        done = subprocess.run([sys.executable, "-m", "paraloom", "train", "--nproc", "1", *sets,
+                               "--set", f"run.name={name}"], capture_output=True, text=True, timeout=600,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-8000:]
+        calibrated = "calibrating this machine's GPU once" in done.stderr
+        assert calibrated == (name == "first"), done.stderr[-4000:]
+    profiles = sorted(path.name for path in cache.glob("hardware-*.yaml"))
+    assert len(profiles) == 1 and profiles[0].endswith("-cuda.yaml"), profiles  # no CPU calibration
+    predicted = json.loads((tmp_path / "runs" / "second" / "prediction.json").read_text())
+    assert predicted["hardware_file"] == str(cache / profiles[0])
+    assert predicted["hardware"] != "cpu" and "terms" in predicted
+    assert "predicted (" in done.stdout
+
+
 def test_nccl_refuses_more_ranks_than_gpus_in_one_line(tmp_path):
     gpus = torch.cuda.device_count()  # through NVML (conftest): CUDA stays untouched here
     done, _ = _paraloom_train(tmp_path, "--nproc", str(gpus + 1), "--set", "run.device=cuda",

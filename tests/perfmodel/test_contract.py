@@ -85,7 +85,8 @@ def test_a_calibrated_term_off_names_the_cached_profile_and_its_age():
     assert stale_hint(cached, now) == ("the profile is this machine's as calibrated 9 h ago "
                                        "(/cache/hardware-vm-1t.yaml); delete that file to calibrate again "
                                        "on the next run")
-    assert "calibrated 45 min ago" in stale_hint(cached, now.replace(day=28, hour=0, minute=30))
+    assert stale_hint(cached, now.replace(day=28, hour=0, minute=30)) == ""  # 45 min: as good as new
+    assert "calibrated 1 h ago" in stale_hint(cached, now.replace(day=28, hour=0, minute=45))
     assert "calibrated 3 days ago" in stale_hint(cached, now.replace(day=30, hour=23))
     measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.02, "compute": 0.016, "data": 0.004}
     assert "/cache/hardware-vm-1t.yaml" in warning("compute", cached, measured)

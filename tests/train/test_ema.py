@@ -103,3 +103,17 @@ def test_a_resumed_run_ends_with_the_straight_runs_average(grid, tmp_path):
         regrid = run_workers(_run, 1, ["parallel.mode=layers"], _from(straight, 3, tmp_path / "regrid"),
                              timeout=120)
         assert "the weight average resumes only on the grid it was saved with" in regrid[0], regrid
+
+
+@pytest.mark.parametrize("grid", [[], ["parallel.pp=2", "parallel.microbatches=2"]], ids=["dp2", "pp2"])
+def test_each_epoch_scores_the_average_beside_the_weights(grid, tmp_path):
+    sets = [*grid, "optim.max_steps=null", "optim.epochs=2", "run.eval_every_epoch=true",
+            "run.checkpoint_every=0"]
+    summary = run_workers(_run, 2, sets, tmp_path, timeout=120)[0]
+    weights, averaged = summary["epoch_accuracy"], summary["ema_epoch_accuracy"]
+    assert len(weights) == len(averaged) == 2
+    assert [seconds for seconds, _ in averaged] == [seconds for seconds, _ in weights]
+    # the last epoch's scores are the final evaluation's: the weights', then the average's
+    assert weights[-1][1] == pytest.approx(summary["test_accuracy"])
+    assert averaged[-1][1] == pytest.approx(summary["ema_test_accuracy"])
+    assert averaged != weights  # the average is what was scored, not the weights again

@@ -105,19 +105,39 @@ def train(
 
 
 def _calibrate_once(cfg) -> None:
-    """`run.hardware=auto`: the profile the run predicts itself from, measured on first use and cached."""
+    """`run.hardware=auto`: the profile the run predicts itself from, measured on first use and cached:
+    the GPU's where the run goes to GPUs, else the CPU's."""
     if cfg.run.hardware != "auto":
         return
     from paraloom.config_world import threads_per_worker
     from paraloom.perfmodel.calibrate import calibrate_once
+    from paraloom.perfmodel.machine_profile import calibrate_gpu_once
 
     console = Console(stderr=True)
+
+    def say(line: str) -> None:
+        console.print(f"paraloom: {line}", highlight=False)
+
     try:
-        calibrate_once(threads_per_worker(cfg.parallel.nproc),
-                       progress=lambda line: console.print(f"paraloom: {line}", highlight=False))
+        if _on_gpus(cfg):
+            calibrate_gpu_once(progress=say)
+        else:
+            calibrate_once(threads_per_worker(cfg.parallel.nproc), progress=say)
     except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
-        console.print(f"paraloom: note: calibrating this machine failed ({type(exc).__name__}: "
-                      f"{exc}); the run will not predict itself", highlight=False)
+        say(f"note: calibrating this machine failed ({type(exc).__name__}: {exc}); the run will not "
+            "predict itself")
+
+
+def _on_gpus(cfg) -> bool:
+    """Whether the workers will train on GPUs, as the worker decides it (`run.device`, and for auto
+    whether torch sees one; torch is imported only where a GPU device file exists)."""
+    if cfg.run.device != "auto":
+        return cfg.run.device == "cuda"
+    if not prestart.gpu_visible():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ CAUSES = {
 # terms priced from rates a calibration measured on this machine: where the profile is the one cached
 # on first use, the machine may have changed since (other load, another host behind the same name)
 CALIBRATED = ("compute", "communication", "codec", "update")
+STALE_AFTER_H = 1.0  # a cached profile this old or older may no longer describe the machine
 
 
 def predicted_terms(estimate) -> dict[str, float]:
@@ -160,14 +161,17 @@ def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) ->
 
 
 def stale_hint(predicted: dict[str, Any], now: datetime.datetime | None = None) -> str:
-    """Where the prediction came from this machine's cached profile: its age and how to measure again."""
+    """Where the prediction came from this machine's cached profile, calibrated `STALE_AFTER_H` hours
+    ago or more: its age and how to measure again ("" otherwise: a profile just made describes the
+    machine as it is, so measuring again would not help)."""
     path, measured = predicted.get("hardware_file"), predicted.get("hardware_measured")
     if not path or not measured:
         return ""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     hours = (now - datetime.datetime.fromisoformat(measured)).total_seconds() / 3600
-    age = (f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.0f} h" if hours < 48
-           else f"{hours / 24:.0f} days")
+    if hours < STALE_AFTER_H:
+        return ""
+    age = f"{hours:.0f} h" if hours < 48 else f"{hours / 24:.0f} days"
     return (f"the profile is this machine's as calibrated {age} ago ({path}); delete that file to "
             "calibrate again on the next run")
 
@@ -196,10 +200,10 @@ def report(predicted: dict[str, Any] | None, per_rank: list[dict[str, float] | N
 PREDICTION = "prediction.json"
 
 
-def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
-    """Rank 0's prediction of the run in `run_dir`: made before its first step and written to
-    prediction.json, or read back from there on a restart. Never stops the run: a model or a
-    profile it cannot price gives {"error": ...} and one line on stderr."""
+def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu") -> dict[str, Any]:
+    """Rank 0's prediction of the run in `run_dir` on `device` ("cpu" or "cuda"): made before its
+    first step and written to prediction.json, or read back from there on a restart. Never stops
+    the run: a model or a profile it cannot price gives {"error": ...} and one line on stderr."""
     import json
 
     from paraloom.perfmodel.machine_profile import cached_source, resolve_hardware
@@ -209,13 +213,13 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
     if path.is_file():
         return json.loads(path.read_text())
     try:
-        hardware = resolve_hardware(cfg.run.hardware, threads)
+        hardware = resolve_hardware(cfg.run.hardware, threads, device)
         if hardware is None:
             predicted = {"skipped": "run.hardware=none" if cfg.run.hardware == "none" else
                          "no hardware profile of this machine yet: `paraloom train` makes one on first use"}
         else:
             predicted = predict(cfg, workers, hardware)
-            source = cached_source(cfg.run.hardware, threads)
+            source = cached_source(cfg.run.hardware, threads, device)
             if source is not None:  # named by a warning, should a calibrated term come out off
                 predicted.update(hardware_file=str(source), hardware_measured=_measured_at(source))
     except Exception as exc:  # noqa: BLE001 (a prediction that fails must not stop the training)
@@ -230,7 +234,7 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int) -> dict[str, Any]:
 
 
 def replan(run_dir, cfg, old_workers: int, new_workers: int, threads: int, *,
-           old_cfg=None) -> dict[str, float | None]:
+           old_cfg=None, device: str = "cpu") -> dict[str, float | None]:
     """A resize's predicted step seconds at the old size and at the new one (None where the profile
     cannot price it); prediction.json is made again, for the new size, and the new one printed.
     `old_cfg`: the settings of the old size where they differ (another number of parameter servers)."""
@@ -238,9 +242,9 @@ def replan(run_dir, cfg, old_workers: int, new_workers: int, threads: int, *,
 
     (run_dir / PREDICTION).unlink(missing_ok=True)
     try:
-        hardware = resolve_hardware(cfg.run.hardware, threads)
+        hardware = resolve_hardware(cfg.run.hardware, threads, device)
         old = predict(old_cfg or cfg, old_workers, hardware)["step_seconds"] if hardware is not None else None
     except Exception:  # noqa: BLE001 (as load_or_predict: a prediction never stops the run)
         old = None
-    new = load_or_predict(run_dir, cfg, new_workers, threads).get("step_seconds")
+    new = load_or_predict(run_dir, cfg, new_workers, threads, device).get("step_seconds")
     return {"predicted_step_seconds_old": old, "predicted_step_seconds_new": new}

@@ -130,7 +130,7 @@ class Checkpoints:
         old_cfg = dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, servers=old_servers)) \
             if old_servers != servers else cfg
         planned = replan(self.run_dir, cfg, saved_world - old_servers, world - servers,
-                         torch.get_num_threads(), old_cfg=old_cfg)
+                         torch.get_num_threads(), old_cfg=old_cfg, device=self.device.type)
         old, new = planned["predicted_step_seconds_old"], planned["predicted_step_seconds_new"]
         if old is not None and new is not None:
             print(f"paraloom: resized from {saved_world} to {world} ranks: predicted step {new * 1e3:.2f} ms "

@@ -103,6 +103,7 @@ class Loop(Checkpoints):
         self.counters: dict[str, Any] = {"samples": 0, "comm_bytes": 0, "comm_seconds": 0.0, "skipped": 0,
                                          "loss": None, "checkpoint_seconds": 0.0}
         self.epoch_accuracy: list[list[Any]] = []  # [training seconds, test accuracy] after each epoch
+        self.ema_epoch_accuracy: list[list[Any]] = []  # the same for the weight average (optim.ema)
         self.operation, self.bad_in_row = "start", 0
         self.train_peak = 0.0  # bytes a GPU held at most while training (note_peak)
         self.pending: PendingSave | None = None  # run.async_checkpoint: the checkpoint being written
@@ -118,7 +119,8 @@ class Loop(Checkpoints):
         cfg, predicted = self.cfg, None
         if self.is_main and self.run_dir is not None:
             workers = self.world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0)
-            predicted = load_or_predict(self.run_dir, cfg, workers, torch.get_num_threads())
+            predicted = load_or_predict(self.run_dir, cfg, workers, torch.get_num_threads(),
+                                        self.device.type)
         return Contract(predicted, tolerance=cfg.run.contract_tolerance, speaks=self.is_main,
                         warmup=min(10, max(1, self.total_steps // 5)))
 
@@ -301,9 +303,16 @@ class Loop(Checkpoints):
         began = time.perf_counter()
         self.note_peak()
         value = self.strategy.epoch_end()
+        averaged = None
+        if self.ema is not None:  # the average scored as the weights are, in the same pause
+            with self.ema.applied():
+                averaged = self.strategy.epoch_end()
         self.note_peak(count=False)
+        at = began - self.loop_start - self.eval_seconds
         if value is not None:
-            self.epoch_accuracy.append([began - self.loop_start - self.eval_seconds, value])
+            self.epoch_accuracy.append([at, value])
+        if averaged is not None:
+            self.ema_epoch_accuracy.append([at, averaged])
         self.eval_seconds += time.perf_counter() - began
 
     # ---- the end
@@ -332,6 +341,8 @@ class Loop(Checkpoints):
             "rss_peak_mb_per_rank": self.gather(memory_mb()[1]),
             "device": str(self.device), "backend": dist.get_backend(),
         }
+        if self.ema is not None:
+            summary["ema_epoch_accuracy"] = self.ema_epoch_accuracy
         summary["contract"] = self.contract_report()
         self.health.settle(wait=True)
         # the checks' own cost: the rank that reached them last waited for no one there
