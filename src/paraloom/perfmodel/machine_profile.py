@@ -70,7 +70,7 @@ def calibrate_gpu_once(progress: Callable[[str], None]) -> Path | None:
         return None
     if path.is_file():
         return path
-    progress(f"calibrating this machine's GPU once (about a minute), cached in {path}")
+    progress(f"calibrating this machine's GPU once (paraloom calibrate --device cuda), cached in {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.stem}.tmp{os.getpid()}.yaml")
     with subprocess.Popen(gpu_calibration_command(staging), stdout=subprocess.PIPE,
