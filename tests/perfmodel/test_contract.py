@@ -23,7 +23,7 @@ from paraloom.perfmodel.contract import (
     stale_hint,
     warning,
 )
-from paraloom.perfmodel.hardware import load_hardware
+from paraloom.perfmodel.hardware import Link, load_hardware
 from paraloom.perfmodel.strategies import Options, Plan, estimate
 from paraloom.train import train
 
@@ -92,7 +92,7 @@ def test_a_calibrated_term_off_names_the_cached_profile_and_its_age():
     assert "/cache/hardware-vm-1t.yaml" in warning("compute", cached, measured)
     assert "/cache/hardware-vm-1t.yaml" not in warning("data", cached, measured)  # not a calibrated rate
     assert stale_hint(_predicted()) == "" and warning("compute", _predicted(), measured).endswith(
-        "or a profile of another machine")  # a preset or a file of the user's: nothing cached to blame
+        "or layers that cost more than the model prices them")  # a preset, a user's file: none cached
 
 
 def test_the_end_table_names_the_cached_profile_only_when_a_calibrated_term_is_off(capsys):
@@ -107,6 +107,73 @@ def test_the_end_table_names_the_cached_profile_only_when_a_calibrated_term_is_o
     assert "delete that file" in out.err and "/cache/hw.yaml" in out.err
     print_contract(report(cached, [measured | {"compute": 0.008, "data": 0.010}], tolerance=0.25))
     assert "delete that file" not in capsys.readouterr().err  # only data is off: not the profile's
+
+
+RATES = {"matmul": 80e9, "conv": 40e9, "attention": 40e9, "other": 2e9, "bandwidth": 10e9}
+
+
+def _cpu_profile(tmp_path):
+    """A CPU profile as `calibrate_once` caches it, and a prediction of 8 ms compute made from it."""
+    link = Link("loopback", 1e9, 1e-4)
+    hw = calibrate.build_profile(RATES, link, link, name="cpu (loopback, 1 threads)", devices_per_node=1,
+                                 host_cores=2)
+    path = tmp_path / "hardware-host-1t.yaml"
+    path.write_text(hw.to_yaml())
+    return _predicted() | {"hardware_file": str(path), "hardware_measured": "2026-11-27T23:45:00+00:00",
+                           "hardware_threads": 1}
+
+
+def _at(share):
+    """A stand-in for measuring the machine again: every rate at `share` of the profile's."""
+    return lambda threads: {name: rate * share for name, rate in RATES.items()}
+
+
+def test_a_compute_miss_is_told_apart_as_the_machines_or_the_models(tmp_path):
+    from paraloom.perfmodel.recheck import compute_check
+
+    predicted, said = _cpu_profile(tmp_path), []
+    # the machine as calibrated: the model's pricing of the layers, which calibrating cannot mend
+    text = compute_check(predicted, 0.016, measure=_at(0.97), progress=said.append)
+    assert text.startswith("this machine still computes at its profile's rates (matmul 97%, conv 97%")
+    assert "cost more than the model prices them" in text and "would not change that" in text
+    assert predicted["hardware_file"] not in text and said == [
+        "compute was off: measuring this machine's rates again (a few seconds)"]
+    # the machine at half its rates, which explains the miss: calibrate again
+    text = compute_check(predicted, 0.016, measure=_at(0.5))
+    assert text.startswith("this machine now computes at 50% of its profile's rates") and "slower" in text
+    assert text.endswith(f"delete {predicted['hardware_file']} to calibrate again on the next run")
+    # at half its rates, where the compute took thrice the prediction: both causes, each with its share
+    text = compute_check(predicted, 0.024, measure=_at(0.5))
+    assert f"delete {predicted['hardware_file']}" in text
+    assert "accounts for +8.00 ms of the +16.00 ms missed; for the rest, this model's forward" in text
+    text = compute_check(predicted, 0.002, measure=_at(1.6))  # faster machine, and cheaper still
+    assert "160%" in text and "faster" in text and "cost less than the model prices them" in text
+    # a preset, a profile of the user's or of a GPU: nothing of this machine's CPU to measure against
+    assert compute_check(_predicted(), 0.016, measure=_at(0.5)) == ""
+    gpu = {k: v for k, v in predicted.items() if k != "hardware_threads"}
+    assert compute_check(gpu, 0.016, measure=_at(0.5)) == ""
+
+
+def test_the_end_of_a_run_measures_the_machine_again_where_compute_was_off(tmp_path, monkeypatch, capsys):
+    from paraloom.cli.train import print_contract
+
+    predicted = _cpu_profile(tmp_path)
+    monkeypatch.setattr(calibrate, "measure_compute", _at(0.97))
+    measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.03, "compute": 0.016, "communication": 0.014}
+    print_contract(report(predicted, [measured], tolerance=0.25))  # compute and communication off
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "measuring this machine's rates again" in err and "still computes at its profile's rates" in err
+    assert "delete that file" in err  # for the link: the profile's age is still a likely cause there
+    print_contract(report(predicted, [measured | {"communication": 0.002}], tolerance=0.25))
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "still computes" in err and "delete" not in err  # recalibrating helps nothing that was off
+    monkeypatch.setattr(calibrate, "measure_compute", _at(0.5))
+    print_contract(report(predicted, [measured], tolerance=0.25))
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert err.count("delete") == 1 and "50% of its profile's rates" in err  # said once, not twice
+    # the warning during the run leaves the remedy to that check
+    assert warning("compute", predicted, measured).endswith("measures the machine again at the run's end "
+                                                           "to tell which")
 
 
 def test_the_report_holds_the_rank_that_sets_the_pace():
@@ -222,6 +289,7 @@ def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch
         (tmp_path / name).mkdir()
     predicted = load_or_predict(tmp_path / "run", load_config(None, SMALL), 2, 1)  # run.hardware=auto
     assert predicted["hardware"] == "a100-ib-hdr" and predicted["hardware_file"] == str(path)
+    assert predicted["hardware_threads"] == 1  # what the end of the run measures the CPU again with
     assert datetime.datetime.fromisoformat(predicted["hardware_measured"]).tzinfo is not None
     preset = load_or_predict(tmp_path / "preset", load_config(None, [*SMALL, "run.hardware=a100-ib-hdr"]),
                              2, 1)

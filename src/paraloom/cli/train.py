@@ -261,5 +261,17 @@ def print_contract(contract: dict | None) -> None:
     table.add_row("step", f"{predicted['step_seconds'] * 1e3:.2f}", f"{measured['step'] * 1e3:.2f}",
                   f"{contract['step_error']:+.0%}")
     Console().print(table)
-    if off & set(CALIBRATED) and stale_hint(predicted):
-        Console(stderr=True).print(f"paraloom: {stale_hint(predicted)}", highlight=False)
+    err = Console(stderr=True)
+    check = ""
+    if "compute" in off and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
+        from paraloom.perfmodel.recheck import compute_check
+
+        def say(line: str) -> None:
+            err.print(f"paraloom: {line}", highlight=False)
+
+        check = compute_check(predicted, measured["compute"], progress=say)
+        if check:
+            say(check)
+    hint, named = stale_hint(predicted), off & set(CALIBRATED) - ({"compute"} if check else set())
+    if hint and named and predicted["hardware_file"] not in check:  # not said already
+        err.print(f"paraloom: {hint}", highlight=False)

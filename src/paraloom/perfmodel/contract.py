@@ -30,7 +30,8 @@ WINDOW = 4096  # the medians are the last so many steps' (a long run's memory st
 TERMS = ("compute", "data", "communication", "codec", "bubble", "update", "overhead")
 CAUSES = {
     "compute": "forward and backward run slower than calibrated: other load on the machine, other threads "
-               "per worker, or a profile of another machine",
+               "per worker, a profile of another machine, or layers that cost more than the model prices "
+               "them",
     "data": "the input pipeline (loading and collating batches): raise data.workers",
     "communication": "the link is slower than calibrated, or shared with other traffic",
     "codec": "compressing and decompressing gradients run slower than calibrated",
@@ -154,6 +155,8 @@ def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) ->
     p, m = predicted["terms"][term], measured[term]
     ratio = f"{m / p:.1f}x" if p > 0 else "more than"
     hint = stale_hint(predicted) if term in CALIBRATED else ""
+    if term == "compute" and hint and predicted.get("hardware_threads"):  # a CPU profile of this machine
+        hint = "`paraloom train` measures the machine again at the run's end to tell which"
     return (f"{term} takes {m * 1e3:.2f} ms a step, {ratio} the {p * 1e3:.2f} ms predicted from hardware "
             f"profile {predicted['hardware']!r} (step {measured['step'] * 1e3:.2f} ms, predicted "
             f"{predicted['step_seconds'] * 1e3:.2f} ms); likely cause: {CAUSES[term]}"
@@ -222,6 +225,8 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
             source = cached_source(cfg.run.hardware, threads, device)
             if source is not None:  # named by a warning, should a calibrated term come out off
                 predicted.update(hardware_file=str(source), hardware_measured=_measured_at(source))
+                if device == "cpu":  # what to measure again with (perfmodel/recheck.py)
+                    predicted["hardware_threads"] = threads
     except Exception as exc:  # noqa: BLE001 (a prediction that fails must not stop the training)
         predicted = {"error": f"{type(exc).__name__}: {exc}"}
     write_json(path, predicted)
