@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -128,30 +129,55 @@ def _at(share):
     return lambda threads: {name: rate * share for name, rate in RATES.items()}
 
 
-def test_a_compute_miss_is_told_apart_as_the_machines_or_the_models(tmp_path):
-    from paraloom.perfmodel.recheck import compute_check
+def _off(**terms):
+    return dict.fromkeys(TERMS, 0.0) | {"step": 0.03, "compute": 0.008, "communication": 0.002} | terms
 
-    predicted, said = _cpu_profile(tmp_path), []
-    # the machine as calibrated: the model's pricing of the layers, which calibrating cannot mend
-    text = compute_check(predicted, 0.016, measure=_at(0.97), progress=said.append)
-    assert text.startswith("this machine still computes at its profile's rates (matmul 97%, conv 97%")
-    assert "cost more than the model prices them" in text and "would not change that" in text
-    assert predicted["hardware_file"] not in text and said == [
-        "compute was off: measuring this machine's rates again (a few seconds)"]
+
+def test_a_compute_or_update_miss_is_told_apart_as_the_machines_or_the_models(tmp_path):
+    from paraloom.perfmodel.recheck import machine_check
+
+    predicted, said = _cpu_profile(tmp_path) | {"step_seconds": 0.011}, []
+    predicted["terms"]["update"] = 0.001
+    path = predicted["hardware_file"]
+
+    def check(share, off=("compute",), **measured):
+        return machine_check(predicted, _off(**measured), set(off), measure=_at(share), progress=said.append)
+
+    # the machine as calibrated: the model's pricing, which calibrating cannot mend
+    text = check(0.97, compute=0.016)["compute"]
+    assert text.startswith("compute: this machine still computes at its profile's rates (matmul 97%, conv")
+    assert "forward and backward cost more than the model prices them" in text
+    assert text.endswith("would not change that") and path not in text
+    assert said == ["compute was off: measuring this machine's rates again (a few seconds)"]
     # the machine at half its rates, which explains the miss: calibrate again
-    text = compute_check(predicted, 0.016, measure=_at(0.5))
-    assert text.startswith("this machine now computes at 50% of its profile's rates") and "slower" in text
-    assert text.endswith(f"delete {predicted['hardware_file']} to calibrate again on the next run")
+    text = check(0.5, compute=0.016)["compute"]
+    assert text.startswith("compute: this machine now computes at 50% of its profile's rates")
+    assert "slower" in text
+    assert text.endswith(f"delete {path} to calibrate again on the next run")
     # at half its rates, where the compute took thrice the prediction: both causes, each with its share
-    text = compute_check(predicted, 0.024, measure=_at(0.5))
-    assert f"delete {predicted['hardware_file']}" in text
+    text = check(0.5, compute=0.024)["compute"]
+    assert f"delete {path}" in text
     assert "accounts for +8.00 ms of the +16.00 ms missed; for the rest, this model's forward" in text
-    text = compute_check(predicted, 0.002, measure=_at(1.6))  # faster machine, and cheaper still
+    text = check(1.6, compute=0.002)["compute"]  # a faster machine, and cheaper layers still
     assert "160%" in text and "faster" in text and "cost less than the model prices them" in text
-    # a preset, a profile of the user's or of a GPU: nothing of this machine's CPU to measure against
-    assert compute_check(_predicted(), 0.016, measure=_at(0.5)) == ""
+    # the update is priced as bytes at memory bandwidth: judged by the bandwidth measured again
+    both = check(0.97, off=("compute", "update"), compute=0.016, update=0.004)
+    assert said[-1] == "compute and update were off: measuring this machine's rates again (a few seconds)"
+    assert both["update"].startswith("update: this machine still copies memory at its profile's rates "
+                                     "(bandwidth 97%)")
+    assert "the optimizer step costs more than the model prices it" in both["update"]
+    assert "copies memory at 50%" in check(0.5, off=("update",), update=0.002)["update"]
+    measured_step = tmp_path / "measured-step.yaml"  # a profile that measured torch's own step: priced so
+    hw = load_hardware(predicted["hardware_file"])
+    hw = replace(hw, constants={**hw.constants, "update_s_per_param.adam": 1e-9})
+    measured_step.write_text(hw.to_yaml())
+    assert machine_check(predicted | {"hardware_file": str(measured_step)}, _off(update=0.004), {"update"},
+                         measure=_at(0.5)) == {}
+    # nothing to measure: no compute or update off; a preset, a profile of the user's or of a GPU
+    assert check(0.5, off=("communication",)) == {}
+    assert machine_check(_predicted(), _off(), {"compute"}, measure=_at(0.5)) == {}
     gpu = {k: v for k, v in predicted.items() if k != "hardware_threads"}
-    assert compute_check(gpu, 0.016, measure=_at(0.5)) == ""
+    assert machine_check(gpu, _off(), {"compute"}, measure=_at(0.5)) == {}
 
 
 def test_the_end_of_a_run_measures_the_machine_again_where_compute_was_off(tmp_path, monkeypatch, capsys):
@@ -159,7 +185,7 @@ def test_the_end_of_a_run_measures_the_machine_again_where_compute_was_off(tmp_p
 
     predicted = _cpu_profile(tmp_path)
     monkeypatch.setattr(calibrate, "measure_compute", _at(0.97))
-    measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.03, "compute": 0.016, "communication": 0.014}
+    measured = _off(compute=0.016, communication=0.014)
     print_contract(report(predicted, [measured], tolerance=0.25))  # compute and communication off
     err = capsys.readouterr().err.replace("\n", " ")
     assert "measuring this machine's rates again" in err and "still computes at its profile's rates" in err

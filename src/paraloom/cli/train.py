@@ -262,16 +262,17 @@ def print_contract(contract: dict | None) -> None:
                   f"{contract['step_error']:+.0%}")
     Console().print(table)
     err = Console(stderr=True)
-    check = ""
-    if "compute" in off and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
-        from paraloom.perfmodel.recheck import compute_check
 
-        def say(line: str) -> None:
-            err.print(f"paraloom: {line}", highlight=False)
+    def say(line: str) -> None:
+        err.print(f"paraloom: {line}", highlight=False)
 
-        check = compute_check(predicted, measured["compute"], progress=say)
-        if check:
-            say(check)
-    hint, named = stale_hint(predicted), off & set(CALIBRATED) - ({"compute"} if check else set())
-    if hint and named and predicted["hardware_file"] not in check:  # not said already
-        err.print(f"paraloom: {hint}", highlight=False)
+    checked = {}
+    if off and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
+        from paraloom.perfmodel.recheck import machine_check
+
+        checked = machine_check(predicted, measured, off, progress=say)
+        for line in checked.values():
+            say(line)
+    hint, named = stale_hint(predicted), off & set(CALIBRATED) - set(checked)
+    if hint and named and not any(predicted["hardware_file"] in line for line in checked.values()):
+        say(hint)  # the profile's age, for a term measured again nowhere (and not said already)

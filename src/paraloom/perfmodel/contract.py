@@ -36,13 +36,15 @@ CAUSES = {
     "communication": "the link is slower than calibrated, or shared with other traffic",
     "codec": "compressing and decompressing gradients run slower than calibrated",
     "bubble": "pipeline stages out of balance, or slow point-to-point transfers between them",
-    "update": "the optimizer step runs slower than calibrated",
+    "update": "the optimizer step runs slower than calibrated, or does work per tensor the model does not "
+              "price",
     "overhead": "per-step host work the model does not price (Python, logging, checkpoints, guards)",
 }
 # terms priced from rates a calibration measured on this machine: where the profile is the one cached
 # on first use, the machine may have changed since (other load, another host behind the same name)
 CALIBRATED = ("compute", "communication", "codec", "update")
 STALE_AFTER_H = 1.0  # a cached profile this old or older may no longer describe the machine
+RECHECKED = ("compute", "update")  # on a CPU profile cached here, measured again after the run (recheck.py)
 
 
 def predicted_terms(estimate) -> dict[str, float]:
@@ -155,7 +157,7 @@ def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) ->
     p, m = predicted["terms"][term], measured[term]
     ratio = f"{m / p:.1f}x" if p > 0 else "more than"
     hint = stale_hint(predicted) if term in CALIBRATED else ""
-    if term == "compute" and hint and predicted.get("hardware_threads"):  # a CPU profile of this machine
+    if term in RECHECKED and hint and predicted.get("hardware_threads"):  # a CPU profile of this machine
         hint = "`paraloom train` measures the machine again at the run's end to tell which"
     return (f"{term} takes {m * 1e3:.2f} ms a step, {ratio} the {p * 1e3:.2f} ms predicted from hardware "
             f"profile {predicted['hardware']!r} (step {measured['step'] * 1e3:.2f} ms, predicted "
