@@ -126,6 +126,45 @@ def test_a_plan_for_a_user_model_emits_its_factories_and_precision(tmp_path, mon
                  "--emit", str(config)]) == 2  # a bare nn.Module needs --data for its example input
 
 
+def test_a_train_config_is_planned_as_its_flags_would_be_and_emitted_with_its_recipe(tmp_path):
+    config = tmp_path / "mine.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"precision": "bf16", "seed": 3},
+        "model": {"name": "gpt", "n_layers": 4, "d_model": 64, "n_heads": 4, "recompute": "selective"},
+        "data": {"name": "text", "seq_len": 32, "batch_size": 48},
+        "optim": {"name": "sgd", "momentum": 0.0, "lr": 0.05, "clip_norm": 1.0},
+        "comm": {"compressor": "fp16"}}))
+    spec = "gpt:layers=4,hidden=64,heads=4,seq=32,vocab=256"
+    common = ["--cluster", "h100-ib-ndr", "--nodes", "1..2"]
+    by_config, by_flags = tmp_path / "config.json", tmp_path / "flags.json"
+    assert main(["plan", str(config), *common, "--json", str(by_config)]) == 0
+    assert main(["plan", "--model", spec, "--global-batch", "48", "--dtype", "bf16", "--recompute",
+                 "selective", "--optimizer", "sgd", *common, "--json", str(by_flags)]) == 0
+    assert json.loads(by_config.read_text()) == json.loads(by_flags.read_text())
+    # an option wins over the config; --emit keeps what the config says beside the plan's choices
+    emitted = tmp_path / "planned.yaml"
+    assert main(["plan", str(config), "--set", "optim.lr=0.02", "--global-batch", "64", *common,
+                 "--plan", "tp=2", "--emit", str(emitted)]) == 0
+    cfg = load_config(str(emitted), [])
+    assert cfg.comm.compressor == "none"  # the plan's choice, as it was priced, and said
+    assert "# note: comm.compressor=fp16 replaced by the plan's none" in emitted.read_text()
+    assert (cfg.parallel.tp, cfg.data.batch_size, cfg.run.precision, cfg.run.seed) == (2, 64, "bf16", 3)
+    cfg.validate_world(cfg.parallel.nproc)
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.clip_norm, cfg.model.recompute) == ("sgd", 0.02, 1.0,
+                                                                                          "selective")
+    ps = tmp_path / "ps.yaml"  # a plan whose strategy has no use for a key the config set leaves it out
+    assert main(["plan", str(config), *common, "--plan", "dp=4,servers=2", "--emit", str(ps)]) == 0
+    assert "# note: parallel.mode" not in ps.read_text()  # the config left it to its default
+    sync = tmp_path / "sync.yaml"
+    config.write_text(config.read_text().replace("compressor: fp16", "sync: one_step_delay"))
+    assert main(["plan", str(config), *common, "--plan", "dp=4,servers=2", "--emit", str(sync)]) == 0
+    assert "# note: comm.sync left out: dp4 ps2 bsp has no use for it" in sync.read_text()
+    assert load_config(str(sync), []).comm.sync == "sync"
+    # the model named twice, or not at all
+    assert main(["plan", str(config), "--model", spec, *common]) == 2
+    assert main(["plan", *common]) == 2
+
+
 def test_emitted_config_trains_as_it_is(tmp_path):
     hw = tmp_path / "two.yaml"
     hw.write_text(yaml.safe_dump({"name": "two-cpus", "device": "v100", "devices_per_node": 2,

@@ -16,21 +16,32 @@ from paraloom.perfmodel.storage import READ_BANDWIDTH
 
 
 def plan(
-    model: Annotated[str, typer.Option(
-        help="model spec: gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200, resnet50, vgg16, "
-             "mlp:hidden=1024, or package.module:factory")],
     cluster: Annotated[str, typer.Option(
         help="hardware preset (h100-ib-ndr, a100-hdr, v100-25gbe, ...) or a hardware YAML file")],
+    config: Annotated[Path | None, typer.Argument(
+        help="a `paraloom train` config: plan its model, data, batch, precision, recomputation and "
+             "optimizer (the options below win); --emit lays the plan over it")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="SECTION.KEY=VALUE", help="override one key of CONFIG (repeatable)")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="model spec: gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200, resnet50, vgg16, "
+             "mlp:hidden=1024, or package.module:factory; or give a config")] = None,
     nodes: Annotated[str, typer.Option(help="node counts: 8, 1..64 (powers of two) or 1,2,3")] = "1..8",
     data: Annotated[str | None, typer.Option(
         help="your data set, package.module:factory[:key=value,...] (as data.name in a config): the "
              "example input of a model given as package.module:factory; the data set --emit names")
     ] = None,
-    global_batch: Annotated[int, typer.Option(help="samples per optimizer step")] = 256,
-    dtype: Annotated[str, typer.Option(help="fp32, fp16 or bf16 (mixed precision)")] = "fp32",
-    recompute: Annotated[str, typer.Option(help="activation recomputation: none, selective (the attention "
-                                           "core) or full")] = "none",
-    optimizer: Annotated[str, typer.Option(help="adam, momentum or sgd (optimizer state)")] = "adam",
+    global_batch: Annotated[int | None, typer.Option(
+        help="samples per optimizer step  [default: the config's data.batch_size, else 256]")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="fp32, fp16 or bf16 (mixed precision)  [default: the config's run.precision, else fp32]"),
+    ] = None,
+    recompute: Annotated[str | None, typer.Option(
+        help="activation recomputation: none, selective (the attention core) or full  [default: the "
+             "config's model.recompute, else none]")] = None,
+    optimizer: Annotated[str | None, typer.Option(
+        help="adam, momentum or sgd (optimizer state)  [default: the config's optim.name, else adam]"),
+    ] = None,
     layout: Annotated[str, typer.Option(
         help="memory layout: ddp (paraloom's and torch DDP's: fp32 weights under autocast), or another "
              "framework's, the model in --dtype: megatron (fp32 main_grad), zero1, zero2, zero3")] = "ddp",
@@ -53,10 +64,33 @@ def plan(
     """Predict step time and memory of every parallel plan; recommend a plan and a node count."""
     from paraloom.perfmodel.plan_command import run_plan
 
-    run_plan(model=model, cluster=cluster, nodes=nodes, global_batch=global_batch, dtype=dtype,
-             recompute=recompute, optimizer=optimizer, plan=plan_, json_out=json_out, emit=emit, plot=plot,
-             floor=efficiency_floor, exact_only=exact_only, top=top, data=data, layout=layout,
-             sample_bytes=sample_bytes)
+    given = {"model": model, "data": data, "global_batch": global_batch, "dtype": dtype,
+             "recompute": recompute, "optimizer": optimizer}
+    inputs, base = _plan_inputs(config, set_ or [], given)
+    run_plan(cluster=cluster, nodes=nodes, plan=plan_, json_out=json_out, emit=emit, plot=plot,
+             floor=efficiency_floor, exact_only=exact_only, top=top, layout=layout,
+             sample_bytes=sample_bytes, base=base, **inputs)
+
+
+PLAN_DEFAULTS = {"global_batch": 256, "dtype": "fp32", "recompute": "none", "optimizer": "adam"}
+
+
+def _plan_inputs(config: Path | None, sets: list[str], given: dict) -> tuple[dict, dict | None]:
+    """`paraloom plan`'s model, data, batch, precision, recomputation and optimizer: the options
+    given, else the config's (with the config as written, for --emit), else the defaults."""
+    chosen = {key: value for key, value in given.items() if value is not None}
+    if config is None and not sets:
+        if "model" not in chosen:
+            raise UserError("paraloom plan needs --model SPEC or a `paraloom train` config file")
+        return {**PLAN_DEFAULTS, "data": None, **chosen}, None
+    from paraloom.config import load_config
+    from paraloom.config_io import merge, parse_overrides, read_yaml
+    from paraloom.perfmodel.from_config import plan_inputs
+
+    if "model" in chosen:
+        raise UserError("--model and a config both name the model: give one of them")
+    base = merge(read_yaml(config) if config is not None else {}, parse_overrides(sets))
+    return {**plan_inputs(load_config(config, sets)), **chosen}, base
 
 
 def calibrate(

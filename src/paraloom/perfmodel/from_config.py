@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from paraloom.choices import AUTO_START_BUCKET_MB
 from paraloom.config import Config
@@ -105,3 +106,14 @@ def predictable(cfg: Config, world: int) -> Predictable:
     data_spec = factory_spec(data.name, data.options, "data.options") if is_factory(data.name) else None
     spec = spec_of(cfg)
     return Predictable(spec, recompute, plan, cfg.data.batch_size, options, data_spec)
+
+
+def plan_inputs(cfg: Config) -> dict[str, Any]:
+    """What `paraloom plan CONFIG` plans for: the config's model (shaped for its data set), its data
+    set where it is a user's, the global batch, the precision, the recomputation and the optimizer's
+    state, as `predictable` reads them for a run."""
+    data, optim = cfg.data, cfg.optim
+    return {"model": spec_of(cfg), "global_batch": data.batch_size, "dtype": cfg.run.precision,
+            "data": factory_spec(data.name, data.options, "data.options") if is_factory(data.name) else None,
+            "recompute": cfg.model.recompute if cfg.model.name == "gpt" else "none",
+            "optimizer": optimizer_kind(optim.name, optim.options.get("momentum", optim.momentum))}

@@ -12,6 +12,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from paraloom.choices import MODELLED_ALGORITHMS
+from paraloom.config_io import merge
 from paraloom.errors import UserError
 from paraloom.models import MODELS
 from paraloom.perfmodel.hardware import Hardware, load_hardware, parse_bytes
@@ -41,8 +42,10 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
              recompute: str = "none", optimizer: str = "adam", plan: str | None = None,
              json_out: Path | None = None, emit: Path | None = None, plot: Path | None = None,
              floor: float = 0.7, exact_only: bool = False, top: int = 10,
-             data: str | None = None, layout: str = "ddp", sample_bytes: str | float = 0) -> dict[str, Any]:
-    """Predict one plan (`plan`) or rank every plan at each node count; print, and write what was asked."""
+             data: str | None = None, layout: str = "ddp", sample_bytes: str | float = 0,
+             base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Predict one plan (`plan`) or rank every plan at each node count; print, and write what was asked
+    (`base`: the config the model came from, as written, which --emit lays the plan over)."""
     _check_arguments((json_out, emit, plot), global_batch, floor, layout, emit is not None)
     options = Options(optimizer=optimizer, layout=layout,
                       sample_bytes=parse_bytes(sample_bytes, "--sample-bytes"))
@@ -105,7 +108,8 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
     report["profile"] = profile_summary(profile, global_batch)
     if emit is not None:
         emit_nodes = report["recommended"]["nodes"] if "recommended" in report else report["nodes"]
-        emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes, dtype=dtype, data=data))
+        emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes, dtype=dtype, data=data,
+                                    base=base))
         console.print(f"config: {emit} (run it with `paraloom train {emit}`)")
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
@@ -138,10 +142,49 @@ def profile_summary(profile, global_batch: int) -> dict[str, Any]:
 
 
 def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes: int, *,
-                dtype: str = "fp32", data: str | None = None) -> str:
+                dtype: str = "fp32", data: str | None = None, base: dict[str, Any] | None = None) -> str:
     """A config `paraloom train` runs as it is: the model (zoo arguments, or a user's factory and
-    options with the data set `data` names), the precision it was predicted at, the plan's choices."""
-    p = e.plan
+    options with the data set `data` names), the precision it was predicted at, the plan's choices.
+    With `base` (a config as its user wrote it, `paraloom plan CONFIG`): that config, its model, data
+    and recipe kept, with the plan's sections laid over it and the batch planned for."""
+    notes: list[str] = []
+    if base is not None:
+        config = merge(base, {"data": {"batch_size": global_batch}})
+    elif model.strip().partition(":")[0] in MODELS:
+        model_cfg, data_cfg = _zoo_sections(model, global_batch, notes)
+        config = {"model": model_cfg, "data": data_cfg}
+    else:
+        model_cfg, data_cfg = _user_sections(model, data, global_batch)
+        config = {"model": model_cfg, "data": data_cfg}
+    sections = _plan_sections(e.plan, nodes, dtype)
+    for key in sorted(_written(base or {}) & _written(sections)):
+        section, _, name = key.partition(".")
+        if base[section][name] != sections[section][name]:
+            notes.append(f"{key}={base[section][name]} replaced by the plan's {sections[section][name]}")
+    config = merge(config, sections)
+    strategy = strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp)
+    for key in UNUSED_SETTINGS[strategy]:  # what the plan's strategy does not use is left out
+        section, _, name = key.partition(".")
+        if config.get(section, {}).pop(name, None) is not None and base is not None and \
+                key in _written(base):
+            notes.append(f"{key} left out: {e.plan.label()} has no use for it")
+    head = [f"# paraloom plan: {e.plan.label()} on {nodes} x {hw.name}",
+            f"# predicted {e.step_s * 1e3:.1f} ms/step, {e.samples_per_s:,.1f} samples/s, "
+            f"{e.memory_bytes / 2**30:.2f} GiB/device, bottleneck {e.bottleneck}",
+            f"# {nodes} node(s): `paraloom train THIS.yaml` on one, or torchrun --nnodes {nodes} "
+            f"--nproc-per-node {config['parallel']['nproc']} -m paraloom.worker THIS.yaml on each"]
+    head += [f"# note: {n}" for n in notes]
+    return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False)
+
+
+def _written(config: dict[str, Any]) -> set[str]:
+    """The `section.key` names a config sets."""
+    return {f"{section}.{key}" for section, values in config.items() if isinstance(values, dict)
+            for key in values}
+
+
+def _plan_sections(p: Plan, nodes: int, dtype: str) -> dict[str, Any]:
+    """The sections of a train config that choose plan `p` on `nodes` nodes, at precision `dtype`."""
     if p.ps_node_sum:
         raise UserError("--emit: ps_node_sum prices TensorFlow's distributed_replicated parameter servers; "
                         "paraloom's workers each push their own gradients")
@@ -152,15 +195,9 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
         raise UserError(f"--emit: algorithm={p.algorithm} is another system's all-reduce, which the model "
                         "prices but paraloom does not run; emit a plan with native, ring, halving_doubling, "
                         "tree or one_to_all")
-    notes: list[str] = []
-    if model.strip().partition(":")[0] in MODELS:
-        model_cfg, data_cfg = _zoo_sections(model, global_batch, notes)
-    else:
-        model_cfg, data_cfg = _user_sections(model, data, global_batch)
     workers = p.dp * p.tp * p.pp
-    config = {
+    sections: dict[str, Any] = {
         "run": {"precision": dtype},  # an emitted plan trains at the precision it was predicted for
-        "model": model_cfg, "data": data_cfg,
         "parallel": {"mode": "ps" if p.servers else "dp", "nproc": max(1, workers // nodes), "tp": p.tp,
                      "pp": p.pp, "microbatches": p.microbatches, "schedule": p.schedule,
                      **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {})},
@@ -168,18 +205,8 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
                  "sync": p.sync},
     }
     if p.servers:
-        config["ps"] = {"servers": p.servers, "consistency": p.consistency}
-    strategy = strategy_for(mode=config["parallel"]["mode"], tp=p.tp, pp=p.pp)
-    for key in UNUSED_SETTINGS[strategy]:  # what the plan's strategy does not use is left out
-        section, _, name = key.partition(".")
-        config.get(section, {}).pop(name, None)
-    head = [f"# paraloom plan: {p.label()} on {nodes} x {hw.name}",
-            f"# predicted {e.step_s * 1e3:.1f} ms/step, {e.samples_per_s:,.1f} samples/s, "
-            f"{e.memory_bytes / 2**30:.2f} GiB/device, bottleneck {e.bottleneck}",
-            f"# {nodes} node(s): `paraloom train THIS.yaml` on one, or torchrun --nnodes {nodes} "
-            f"--nproc-per-node {config['parallel']['nproc']} -m paraloom.worker THIS.yaml on each"]
-    head += [f"# note: {n}" for n in notes]
-    return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False)
+        sections["ps"] = {"servers": p.servers, "consistency": p.consistency}
+    return sections
 
 
 def _zoo_sections(model: str, global_batch: int, notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
