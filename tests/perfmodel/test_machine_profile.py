@@ -97,3 +97,27 @@ def test_train_calibrates_the_device_its_workers_train_on(cache, monkeypatch, ca
     assert calls == ["cpu"]
     cli_train._calibrate_once(load_config(None, ["run.device=cuda", "run.hardware=none"]))
     assert calls == ["cpu"]  # nothing to calibrate
+
+
+def test_a_run_whose_profile_overstates_this_machine_is_told_to_calibrate_again(cache, tmp_path):
+    """End to end: a cached CPU profile twenty times this machine's rates prices the run far too
+    fast; at its end `paraloom train` measures the machine again and names the file to delete."""
+    import os
+    import subprocess
+
+    from paraloom.perfmodel.hardware import Link
+
+    rates = {name: 20 * rate for name, rate in calibrate.measure_compute(1).items()}
+    link = Link("loopback", 1e9, 1e-4)
+    hw = calibrate.build_profile(rates, link, link, name="overstated", devices_per_node=1, host_cores=2)
+    cache.mkdir()
+    cached_path(1).write_text(hw.to_yaml())  # what 2 workers on 2 cores read: one thread each
+    done = subprocess.run([sys.executable, "-m", "paraloom", "train", "--nproc", "2",
+                           *[arg for key in [*SMALL, f"run.out_dir={tmp_path}"] for arg in ("--set", key)]],
+                          capture_output=True, text=True, timeout=110, env=dict(os.environ, COLUMNS="1000"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    err = " ".join(done.stderr.split())
+    assert "measures the machine again at the run's end to tell which" in err  # the warning, mid-run
+    assert "off: measuring this machine's rates again" in err
+    assert "compute: this machine now computes at" in err and "slower than when it was calibrated" in err
+    assert f"delete {cached_path(1)}" in err

@@ -157,7 +157,7 @@ def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) ->
     p, m = predicted["terms"][term], measured[term]
     ratio = f"{m / p:.1f}x" if p > 0 else "more than"
     hint = stale_hint(predicted) if term in CALIBRATED else ""
-    if term in RECHECKED and hint and predicted.get("hardware_threads"):  # a CPU profile of this machine
+    if term in RECHECKED and predicted.get("hardware_threads"):  # a CPU profile of this machine, any age
         hint = "`paraloom train` measures the machine again at the run's end to tell which"
     return (f"{term} takes {m * 1e3:.2f} ms a step, {ratio} the {p * 1e3:.2f} ms predicted from hardware "
             f"profile {predicted['hardware']!r} (step {measured['step'] * 1e3:.2f} ms, predicted "
