@@ -296,6 +296,28 @@ def test_an_optimizer_is_priced_by_the_state_it_keeps(settings, kind):
     assert predictable(load_config(None, [*SMALL, *settings]), 2).options.optimizer == kind
 
 
+@pytest.mark.parametrize("settings", [
+    ["model.name=gpt", "data.name=text", "data.seq_len=32"],
+    ["model.name=gpt", "data.name=text", "data.seq_len=32", "model.options.style=llama",
+     "model.options.ffn=96", "model.attention=math"],
+    ["model.name=cnn", "model.channels=8", "model.hidden=64"],
+    ["model.name=mlp", "model.depth=3"],
+], ids=["gpt", "llama_math", "cnn", "mlp"])
+def test_a_run_is_priced_as_the_model_it_builds(settings):
+    """The spec a config is predicted from builds the model the run trains: its options and
+    attention kernel included (a llama-style gpt was once priced as a plain one)."""
+    from paraloom.data import load_data
+    from paraloom.models.make import make_model
+    from paraloom.perfmodel.from_config import spec_of
+    from paraloom.perfmodel.profile import profile_model
+
+    cfg = load_config(None, [*settings, "data.text_bytes=20000"])
+    trained = make_model(cfg, load_data(cfg))
+    assert profile_model(spec_of(cfg)).n_params == sum(p.numel() for p in trained.parameters())
+    if cfg.model.attention == "math":  # the kernel that keeps the T x T scores, as the run builds it
+        assert "attention=math" in spec_of(cfg) and "attention=" not in spec_of(load_config(None, SMALL))
+
+
 def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PARALOOM_HARDWARE")

@@ -36,8 +36,13 @@ def spec_of(cfg: Config) -> str:
         return factory_spec(cfg.model.name, cfg.model.options, "model.options")
     if cfg.model.name in ("gpt", "bert"):
         m = cfg.model
-        return (f"{m.name}:layers={m.n_layers},hidden={m.d_model},heads={m.n_heads},"
-                f"seq={cfg.data.seq_len},vocab=256")
+        accepted = inspect.signature(MODELS[m.name]).parameters
+        # what else the config builds it with: the attention kernel where not the default, its options
+        extra = {**({"attention": m.attention} if m.attention != "sdpa" and "attention" in accepted else {}),
+                 **m.options}
+        args = [f"layers={m.n_layers}", f"hidden={m.d_model}", f"heads={m.n_heads}",
+                f"seq={cfg.data.seq_len}", "vocab=256", *_spec_args(extra, "model.options")]
+        return f"{m.name}:" + ",".join(args)
     if is_factory(cfg.data.name):  # the shape of its first sample, its classes
         user = load_user_data(cfg.data.name, cfg.data.options)
         input_shape, n_classes = tuple(torch.as_tensor(user.train[0][0]).shape), user.n_classes
@@ -56,6 +61,12 @@ def spec_of(cfg: Config) -> str:
 def factory_spec(name: str, options: dict, key: str) -> str:
     """`package.module:factory[:k=v,...]`, as the planner reads a user's factory and its options
     (numbers, true/false and lower-case names; anything else cannot be written so and is refused)."""
+    args = _spec_args(options, key)
+    return name + (":" + ",".join(args) if args else "")
+
+
+def _spec_args(options: dict, key: str) -> list[str]:
+    """`k=v` for each option, as a planner spec writes it; `key` names the options in an error."""
     args = []
     for k, v in options.items():
         name_like = isinstance(v, str) and v.isidentifier() and v == v.lower()
@@ -63,7 +74,7 @@ def factory_spec(name: str, options: dict, key: str) -> str:
             raise UserError(f"{key}.{k}={v!r} cannot be written in a planner spec: it takes numbers, "
                             "true/false and lower-case names")
         args.append(f"{k}={str(v).lower() if isinstance(v, bool) else v}")
-    return name + (":" + ",".join(args) if args else "")
+    return args
 
 
 ADAM_LIKE = ("adam", "adamw", "nadam", "radam", "adamax", "lamb")  # two state tensors a parameter
