@@ -46,6 +46,14 @@ def test_user_errors_are_one_line_exit_2(argv, message, capsys, tmp_path, monkey
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU for run.device=cuda")
+def test_cuda_on_a_machine_without_a_gpu_is_refused_before_anything_starts(capsys, tmp_path, monkeypatch):
+    test_user_errors_are_one_line_exit_2(["train", "--set", "run.device=cuda"],
+                                         "run.device=cuda but no CUDA device is visible to torch",
+                                         capsys, tmp_path, monkeypatch)
+    assert not any(tmp_path.iterdir())  # no calibration tried, no run directory
+
+
 def test_existing_run_name_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "mine").mkdir(parents=True)

@@ -73,6 +73,7 @@ def train(
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, inject=joined))
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
+    _check_device(cfg)
     node_range = cfg.run.node_range()  # without a cluster: as many local nodes (cluster/local.py)
     with cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) as nodes, \
             _stopping_forkserver():
@@ -126,6 +127,18 @@ def _calibrate_once(cfg) -> None:
     except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
         say(f"note: calibrating this machine failed ({type(exc).__name__}: {exc}); the run will not "
             "predict itself")
+
+
+def _check_device(cfg) -> None:
+    """`run.device=cuda` on a machine with no GPU torch can use: refused before anything starts
+    (torch is imported only where no GPU device file settles it)."""
+    if cfg.run.device != "cuda" or prestart.gpu_visible():
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"run.device=cuda but no CUDA device is visible to torch {torch.__version__}; use "
+                        "run.device=cpu (or auto)")
 
 
 def _on_gpus(cfg) -> bool:
