@@ -41,12 +41,12 @@ GROUP_ALGORITHM = "native"
 WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces: gradients, fp16/bf16 payloads
 
 
-def measure_compute(threads: int = 1) -> dict[str, float]:
+def measure_compute(threads: int = 1, min_s: float = 0.05) -> dict[str, float]:
     """FLOP/s by op class and memory bandwidth (bytes/s) of the CPU on `threads` threads, fp32."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return compute_rates(torch.device("cpu"), "fp32")
+        return compute_rates(torch.device("cpu"), "fp32", min_s=min_s)
     finally:
         torch.set_num_threads(previous)
 
