@@ -159,7 +159,16 @@ def test_a_train_config_is_planned_as_its_flags_would_be_and_emitted_with_its_re
     config.write_text(config.read_text().replace("compressor: fp16", "sync: one_step_delay"))
     assert main(["plan", str(config), *common, "--plan", "dp=4,servers=2", "--emit", str(sync)]) == 0
     assert "# note: comm.sync left out: dp4 ps2 bsp has no use for it" in sync.read_text()
+    assert "comm.sync=one_step_delay replaced" not in sync.read_text()  # said once: left out
     assert load_config(str(sync), []).comm.sync == "sync"
+    servers = tmp_path / "servers.yaml"  # a parameter-server config planned as all-reduce: its ps.* go
+    config.write_text(config.read_text().replace("sync: one_step_delay", "compressor: none") +
+                      "parallel: {mode: ps}\nps: {servers: 1, consistency: ssp}\n")
+    assert main(["plan", str(config), *common, "--plan", "dp=4", "--emit", str(servers)]) == 0
+    text = servers.read_text()
+    assert "# note: ps.servers left out" in text and "# note: ps.consistency left out" in text
+    assert "# note: parallel.mode=ps replaced by the plan's dp" in text
+    assert load_config(str(servers), []).parallel.mode == "dp"
     # the model named twice, or not at all
     assert main(["plan", str(config), "--model", spec, *common]) == 2
     assert main(["plan", *common]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -148,8 +149,9 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
     With `base` (a config as its user wrote it, `paraloom plan CONFIG`): that config, its model, data
     and recipe kept, with the plan's sections laid over it and the batch planned for."""
     notes: list[str] = []
+    written = _written(base or {})
     if base is not None:
-        config = merge(base, {"data": {"batch_size": global_batch}})
+        config = merge(copy.deepcopy(base), {"data": {"batch_size": global_batch}})
     elif model.strip().partition(":")[0] in MODELS:
         model_cfg, data_cfg = _zoo_sections(model, global_batch, notes)
         config = {"model": model_cfg, "data": data_cfg}
@@ -157,16 +159,15 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
         model_cfg, data_cfg = _user_sections(model, data, global_batch)
         config = {"model": model_cfg, "data": data_cfg}
     sections = _plan_sections(e.plan, nodes, dtype)
-    for key in sorted(_written(base or {}) & _written(sections)):
+    config = merge(config, sections)
+    unused = UNUSED_SETTINGS[strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp)]
+    for key in sorted(written & _written(sections) - set(unused)):
         section, _, name = key.partition(".")
         if base[section][name] != sections[section][name]:
             notes.append(f"{key}={base[section][name]} replaced by the plan's {sections[section][name]}")
-    config = merge(config, sections)
-    strategy = strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp)
-    for key in UNUSED_SETTINGS[strategy]:  # what the plan's strategy does not use is left out
+    for key in unused:  # what the plan's strategy does not use is left out
         section, _, name = key.partition(".")
-        if config.get(section, {}).pop(name, None) is not None and base is not None and \
-                key in _written(base):
+        if config.get(section, {}).pop(name, None) is not None and key in written:
             notes.append(f"{key} left out: {e.plan.label()} has no use for it")
     head = [f"# paraloom plan: {e.plan.label()} on {nodes} x {hw.name}",
             f"# predicted {e.step_s * 1e3:.1f} ms/step, {e.samples_per_s:,.1f} samples/s, "
