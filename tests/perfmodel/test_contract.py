@@ -212,6 +212,15 @@ def test_the_end_of_a_run_measures_the_machine_again_where_compute_was_off(tmp_p
     print_contract(report(predicted, [measured], tolerance=0.25))
     err = capsys.readouterr().err.replace("\n", " ")
     assert err.count("delete") == 1 and "50% of its profile's rates" in err  # said once, not twice
+    # a term warned during the run that the whole run's medians put within tolerance is said to pass
+    print_contract(report(predicted, [measured], tolerance=0.25) | {"warned": ["communication", "compute"]})
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert "communication: warned during the run, within tolerance over the whole run" not in err  # off
+    print_contract(report(predicted, [measured | {"communication": 0.002}], tolerance=0.25)
+                   | {"warned": ["communication", "compute"]})
+    err = " ".join(capsys.readouterr().err.split())
+    assert "communication: warned during the run, within tolerance over the whole run" in err
+    assert "compute: warned during the run" not in err  # still off: the check above speaks for it
     # the warning during the run leaves the remedy to that check
     assert warning("compute", predicted, measured).endswith("measures the machine again at the run's end "
                                                            "to tell which")

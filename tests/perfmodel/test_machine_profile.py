@@ -1,6 +1,7 @@
 """This machine's cached profiles: one per thread count for CPU workers, one for its GPUs, each made
 on first use; a GPU run is never priced from the CPU's rates."""
 
+import json
 import sys
 
 import pytest
@@ -121,3 +122,5 @@ def test_a_run_whose_profile_overstates_this_machine_is_told_to_calibrate_again(
     assert "off: measuring this machine's rates again" in err
     assert "compute: this machine now computes at" in err and "slower than when it was calibrated" in err
     assert f"delete {cached_path(1)}" in err
+    (summary,) = tmp_path.glob("*/summary.json")
+    assert "compute" in json.loads(summary.read_text())["contract"]["warned"]  # rank 0's warnings, kept

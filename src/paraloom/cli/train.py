@@ -286,6 +286,10 @@ def print_contract(contract: dict | None) -> None:
         checked = machine_check(predicted, measured, off, progress=say)
         for line in checked.values():
             say(line)
+    passing = [term for term in contract.get("warned", []) if term not in off]
+    if passing:  # off in the medians at the time of the warning, not in the whole run's
+        say(f"{', '.join(passing)}: warned during the run, within tolerance over the whole run (the "
+            "table): a passing slowdown, not the profile's")
     hint, named = stale_hint(predicted), off & set(CALIBRATED) - set(checked)
     if hint and named and not any(predicted["hardware_file"] in line for line in checked.values()):
         say(hint)  # the profile's age, for a term measured again nowhere (and not said already)

@@ -286,6 +286,7 @@ class Loop(Checkpoints):
         rows = gather_floats([*values, peak], self.strategy.group).tolist()
         per_rank = [None if row[0] != row[0] else dict(zip(keys, row[:-1], strict=True)) for row in rows]
         out = report(self.contract.given, per_rank, tolerance=self.cfg.run.contract_tolerance)
+        out["warned"] = sorted(self.contract.warned)  # during the run (rank 0, which writes the summary)
         if cuda:
             out["measured_peak_memory_bytes_per_rank"] = [row[-1] for row in rows]
         return out
