@@ -5,16 +5,23 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from paraloom.cli import main
 from paraloom.config import Config
 from paraloom.errors import UserError
 from paraloom.perfmodel.calibrate import build_profile, measure_compute, measured_step_seconds, refine
+from paraloom.perfmodel.cpu_host import measure_host
+from paraloom.perfmodel.device_cost import DISPATCH, without_dispatch
 from paraloom.perfmodel.from_config import predictable
 from paraloom.perfmodel.hardware import Hardware, Link, load_hardware
 from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.strategies import estimate
+from paraloom.perfmodel.strategies import Plan, estimate
+
+PHASES = ("fwd", "bwd")
+THREADS = torch.get_num_threads()
+OP_CLASSES = ("matmul", "conv", "attention", "other")
 
 
 def test_compute_micro_benchmarks_give_positive_rates():
@@ -34,6 +41,32 @@ def test_profile_from_measurements_round_trips_and_caps_efficiency():
     assert Hardware.from_yaml(hw.to_yaml()) == hw
 
 
+def test_host_micro_benchmarks_give_each_ops_dispatch():
+    host = measure_host(threads=1, min_s=0.005)
+    assert set(host) == {f"{DISPATCH}.{c}.{phase}" for c in OP_CLASSES for phase in PHASES}
+    assert all(v > 0 for v in host.values())
+    assert torch.get_num_threads() == THREADS  # as it found them
+
+
+def test_a_cpus_dispatch_adds_to_its_arithmetic_op_by_op():
+    """On a CPU the core that computes an op also dispatches it: a profile with dispatch costs
+    charges each layer its ops' count times their cost per class and phase, on top of its roofline
+    (on a GPU the host only bounds a layer from below: test_device_profile)."""
+    model = profile_model("cnn:input=1x8x8,classes=10,hidden=128,channels=32")
+    hw = load_hardware("v100-10gbe")
+    cost = {"matmul": 1.0, "conv": 2.0, "attention": 3.0, "other": 4.0}  # seconds an op, twice in backward
+    per_op = {f"{DISPATCH}.{c}.{phase}": cost[c] * (2 if phase == "bwd" else 1)
+              for c in OP_CLASSES for phase in PHASES}
+    dispatching = replace(hw, constants={**hw.constants, **per_op})
+    ops = sum(n * cost[c] * (1 + phase) for layer in model.layers
+              for phase, counts in enumerate((layer.fwd_ops, layer.bwd_ops)) for c, n in counts.items())
+    assert ops > 0
+    with_it = estimate(model, dispatching, Plan(dp=1, microbatches=2), 64).breakdown["compute"]
+    arithmetic = estimate(model, hw, Plan(dp=1, microbatches=2), 64).breakdown["compute"]
+    assert with_it == pytest.approx(arithmetic + 2 * ops)  # each micro-batch dispatches its ops
+    assert without_dispatch(dispatching) == hw
+
+
 def _fake_run(tmp_path, name, overrides, seconds):
     """A finished run directory as `paraloom train` leaves it: config.yaml and summary.json."""
     run = tmp_path / name
@@ -45,15 +78,23 @@ def _fake_run(tmp_path, name, overrides, seconds):
     return run
 
 
-def test_refine_recovers_a_compute_scale_and_an_overhead(tmp_path):
+@pytest.mark.parametrize("dispatch", [0.0, 2e-5])
+def test_refine_recovers_a_compute_scale_and_an_overhead(tmp_path, dispatch):
+    """With a CPU's dispatch costs in the profile, the scale applies to the arithmetic alone: the
+    dispatch is measured per op, and efficiency does not change it."""
     hw = load_hardware("v100-10gbe")
+    hw = replace(hw, constants={**hw.constants, **{f"{DISPATCH}.{c}.{phase}": dispatch
+                                                   for c in OP_CLASSES for phase in PHASES}})
     small = {"model": {"name": "mlp", "hidden": 256}, "parallel": {"nproc": 1}}
     large = {"model": {"name": "mlp", "hidden": 2048}, "parallel": {"nproc": 1}}
     truth = []
     for overrides in (small, large):  # a machine 3x slower than the profile, plus 2 ms per step
         what = predictable(Config.from_dict(overrides), 1)
         e = estimate(profile_model(what.spec), hw, what.plan, what.global_batch, what.options)
-        truth.append(e.step_s + 2 * e.breakdown["compute"] + 0.002)
+        bare = estimate(profile_model(what.spec), without_dispatch(hw), what.plan, what.global_batch,
+                        what.options)
+        assert (e.breakdown["compute"] > bare.breakdown["compute"]) == (dispatch > 0)
+        truth.append(e.step_s + 2 * bare.breakdown["compute"] + 0.002)
     runs = [_fake_run(tmp_path, "small", small, truth[0]), _fake_run(tmp_path, "large", large, truth[1])]
     refined, points = refine(hw, runs)
     assert refined.constants["step_overhead_s"] == pytest.approx(0.002, rel=1e-3)

@@ -21,6 +21,7 @@ from paraloom.perfmodel.contract import (
     off_terms,
     predicted_terms,
     report,
+    spread_miss,
     stale_hint,
     warning,
 )
@@ -108,6 +109,26 @@ def test_the_end_table_names_the_cached_profile_only_when_a_calibrated_term_is_o
     assert "delete that file" in out.err and "/cache/hw.yaml" in out.err
     print_contract(report(cached, [measured | {"compute": 0.008, "data": 0.010}], tolerance=0.25))
     assert "delete that file" not in capsys.readouterr().err  # only data is off: not the profile's
+
+
+def test_a_step_missed_by_many_small_terms_is_said_with_its_parts(capsys):
+    """The step 37% over its prediction with every term inside the tolerance (25% of the step): the
+    end of the run names the terms that make up the miss, largest first, and the small ones not."""
+    from paraloom.cli.train import print_contract
+
+    predicted = _predicted(step=0.010, update=0.0002, compute=0.0078)
+    measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.0137, "compute": 0.0097, "communication": 0.003,
+                                            "update": 0.0008, "data": 0.0002}
+    contract = report(predicted, [measured], tolerance=0.25)
+    assert contract["off"] == [] and contract["step_error"] == pytest.approx(0.37)
+    assert spread_miss(contract) == ("the step misses its prediction by +37%, though no term alone misses it "
+                                     "by more than 25% of the predicted step: compute +1.90 ms, "
+                                     "communication +1.00 ms, update +0.60 ms, data +0.20 ms")
+    print_contract(contract)
+    assert "update +0.60 ms" in " ".join(capsys.readouterr().err.split())
+    assert spread_miss(report(predicted, [measured | {"step": 0.012}], tolerance=0.25)) == ""  # +20%: within
+    compute_off = measured | {"compute": 0.012, "step": 0.016}  # a term off says it itself
+    assert spread_miss(report(predicted, [compute_off], tolerance=0.25)) == ""
 
 
 RATES = {"matmul": 80e9, "conv": 40e9, "attention": 40e9, "other": 2e9, "bandwidth": 10e9}

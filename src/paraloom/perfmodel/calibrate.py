@@ -2,8 +2,9 @@
 
 Micro-benchmarks, each timed as the median of repeats after a warm-up, on one worker's share of
 the cores (`threads`): matmul, convolution and attention throughput, element-wise throughput and
-memory bandwidth (a large copy), and the collectives' alpha and beta (ring all-reduce over a
-range of sizes, fitted with the alpha-beta model) on loopback or across an emulated cluster.
+memory bandwidth (a large copy), each op's dispatch (`cpu_host`), and the collectives' alpha and
+beta (ring all-reduce over a range of sizes, fitted with the alpha-beta model) on loopback or across
+an emulated cluster.
 `refine` then fits the compute efficiency and a per-step overhead to measured runs (grey box:
 the white-box formulas, constants from measurement).
 """
@@ -23,7 +24,14 @@ import torch
 
 from paraloom.errors import UserError
 from paraloom.perfmodel import machine_profile
-from paraloom.perfmodel.cpu_cost import SERVER_PER_MESSAGE, SERVER_PER_UPDATE, TCP_CPU_INTRA, tcp_cpu_per_byte
+from paraloom.perfmodel.cpu_cost import (
+    SERVER_PER_MESSAGE,
+    SERVER_PER_UPDATE,
+    TCP_CPU_INTRA,
+    server_cpu_per_message,
+)
+from paraloom.perfmodel.cpu_host import measure_host
+from paraloom.perfmodel.device_cost import without_dispatch
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
@@ -169,6 +177,8 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
     """
     progress("compute: matmul, conv, attention, element-wise, memory bandwidth")
     compute = measure_compute(threads)
+    progress("dispatch: each op's cost beyond its arithmetic")
+    host = measure_host(threads)
     progress("compressors: encode and decode")
     codecs = measure_codecs(threads)
     progress("links: ring all-reduce and one TCP stream on loopback")
@@ -189,7 +199,7 @@ def calibrate(*, cluster=None, devices_per_node: int = 1, threads: int = 1, name
     # every emulated node is a process on this host: they share its cores (strategies.host_slowdown)
     hw = build_profile(compute, intra, inter, name=name, devices_per_node=devices_per_node,
                        host_cores=(os.cpu_count() or 1) // max(1, threads))
-    extra = {**links, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
+    extra = {**links, **host, **{f"codec_s_per_byte.{k}": v for k, v in codecs.items()}}
     if storage is not None:
         progress(f"storage: the read rate of a fresh file in {storage}")
         extra[READ_BANDWIDTH], _ = measure_read_rate(storage)
@@ -201,7 +211,8 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
     """Refine `hw` from finished runs, each kind fixing its own constants (grey box):
 
     - single-replica runs (one worker, or tensor and pipeline parallel): measured = a * compute +
-      (predicted - compute) + c; efficiency is divided by a and c added to `step_overhead_s`. One
+      (predicted - compute) + c, compute without a CPU's per-op dispatch (which efficiency does not
+      scale); efficiency is divided by a and c added to `step_overhead_s`. One
       run fixes a alone (c = 0); two or more give both by least squares. Repeats of one
       configuration (the same predicted compute) count as one point, their median.
     - data-parallel runs (several replicas): `sync_overhead_s`, what a synchronous step costs past
@@ -230,8 +241,9 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
         if pred.plan.dp > 1:
             dp_runs.append(run)
             continue
+        _, arithmetic = _measured_and_predicted(run, without_dispatch(hw))  # what efficiency scales
         points.append({"run": str(run), "measured_s": measured, "predicted_s": pred.step_s,
-                       "compute_s": pred.breakdown["compute"]})
+                       "compute_s": arithmetic.breakdown["compute"]})
     refined = _fit_compute(hw, points) if points else hw
     if ps_runs:
         per_message = [server_cpu_per_message(summaries[run], refined) for run in ps_runs]
@@ -317,33 +329,6 @@ def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
     return replace(hw, device=device, constants={**hw.constants, "step_overhead_s": overhead})
 
 
-def server_cpu_per_message(summary: dict[str, Any], hw: Hardware) -> dict[str, float]:
-    """A parameter-server run's servers' CPU seconds per request (a push or a read of one slice,
-    answered by one reply), once the TCP cost of the bytes they moved and the optimizer steps
-    they took are taken out, and per optimizer step of a slice.
-
-    A server's CPU also decodes, sums and copies its shard, and wakes a thread per message; those
-    costs scale with messages, not with the link. Its optimizer steps scale with updates: one a
-    slice and clock under BSP however many workers push, one a push under ASP and SSP; the server
-    times them on its own thread (`update_cpu_seconds`; a summary from before has no such figure,
-    and its per-message cost then holds the updates). Bytes moved per step: every worker's push
-    and pull (`comm_bytes_per_step`), spread over the servers; TCP CPU per byte: loopback's for a
-    run on one node, else half the 2-node all-reduce's (`strategies`).
-    """
-    steps, workers = summary["steps"], summary["workers"]
-    stats = summary["servers_stats"]
-    cpu = sum(s["cpu_seconds"] for s in stats)
-    messages = sum(s["slices"] for s in stats) * workers * steps
-    moved = summary["comm_bytes_per_step"] * workers * steps
-    per_byte = tcp_cpu_per_byte(hw, inter=summary.get("nodes", 1) > 1)
-    fitted = {"server_cpu_s_per_step": cpu / steps / len(stats)}
-    if all("update_cpu_seconds" in s for s in stats) and sum(s["updates"] for s in stats):
-        updating = sum(s["update_cpu_seconds"] for s in stats)
-        fitted["server_s_per_update"] = updating / sum(s["updates"] for s in stats)
-        cpu -= updating
-    return {**fitted, "server_s_per_message": (cpu - moved * per_byte) / messages}
-
-
 def measured_step_seconds(run: Path) -> float:
     """A finished run's steady-state seconds per step: the median step (tensor and pipeline runs),
     all workers' throughput (parameter server), or the median of the logged intervals after the
@@ -390,7 +375,7 @@ def calibrate_once(threads: int, progress: Callable[[str], None]) -> Path | None
         return None
     if path.is_file():
         return path
-    progress(f"calibrating this machine once (about 15 s), cached in {path}")
+    progress(f"calibrating this machine once (about 20 s), cached in {path}")
     hw, _ = calibrate(threads=threads, name=f"{socket.gethostname()} (loopback, {threads} threads)",
                       progress=lambda what: progress(f"  measuring {what}"))
     path.parent.mkdir(parents=True, exist_ok=True)

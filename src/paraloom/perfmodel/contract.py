@@ -153,6 +153,19 @@ def off_terms(predicted: dict[str, Any], measured: dict[str, float], tolerance: 
     return [t for t in TERMS if abs(measured[t] - predicted["terms"][t]) > bound]
 
 
+def spread_miss(contract: dict[str, Any]) -> str:
+    """Where the step misses its prediction by more than the tolerance and no term does alone, one
+    line naming the terms that make up the miss, largest first ("" otherwise)."""
+    predicted, measured, tolerance = contract["predicted"], contract["measured"], contract["tolerance"]
+    if contract.get("off") or abs(contract["step_error"]) <= tolerance:
+        return ""
+    misses = sorted(((measured[t] - predicted["terms"][t], t) for t in TERMS), key=lambda m: -abs(m[0]))
+    shown = ", ".join(f"{term} {miss * 1e3:+.2f} ms" for miss, term in misses
+                      if abs(miss) >= 0.05 * abs(measured["step"] - predicted["step_seconds"]))
+    return (f"the step misses its prediction by {contract['step_error']:+.0%}, though no term alone misses "
+            f"it by more than {tolerance:.0%} of the predicted step: {shown}")
+
+
 def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) -> str:
     p, m = predicted["terms"][term], measured[term]
     ratio = f"{m / p:.1f}x" if p > 0 else "more than"

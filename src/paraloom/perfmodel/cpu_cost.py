@@ -1,5 +1,6 @@
 """What communication costs the CPU: per byte a process sends or receives, the share overlap cannot
-hide, and a parameter server's work per step (bytes and messages); constants from `paraloom calibrate`.
+hide, and a parameter server's work per step (bytes and messages); constants from `paraloom calibrate`,
+the server's fitted from its runs (`server_cpu_per_message`).
 
 On an emulated cluster every node is a process of one host, so the kernel's TCP and gloo's sums run
 on the cores the training computes on; on presets and real clusters the constants are absent and
@@ -9,7 +10,7 @@ these terms are 0.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.network import group_key, group_link
@@ -77,3 +78,30 @@ def comm_cpu(hw: Hardware, plan: Plan, grad_bytes: float) -> float:
     dtype = WIRE_DTYPE.get(plan.compressor, "float32")
     per_byte = hw.constants.get(group_key(plan.dp, dtype, plan.algorithm, "cpu_s_per_byte"), 0.0)
     return per_byte * grad_bytes * (0.5 if dtype != "float32" else 1.0)
+
+
+def server_cpu_per_message(summary: dict[str, Any], hw: Hardware) -> dict[str, float]:
+    """A parameter-server run's servers' CPU seconds per request (a push or a read of one slice,
+    answered by one reply), once the TCP cost of the bytes they moved and the optimizer steps
+    they took are taken out, and per optimizer step of a slice.
+
+    A server's CPU also decodes, sums and copies its shard, and wakes a thread per message; those
+    costs scale with messages, not with the link. Its optimizer steps scale with updates: one a
+    slice and clock under BSP however many workers push, one a push under ASP and SSP; the server
+    times them on its own thread (`update_cpu_seconds`; a summary from before has no such figure,
+    and its per-message cost then holds the updates). Bytes moved per step: every worker's push
+    and pull (`comm_bytes_per_step`), spread over the servers; TCP CPU per byte: loopback's for a
+    run on one node, else half the 2-node all-reduce's (`strategies`).
+    """
+    steps, workers = summary["steps"], summary["workers"]
+    stats = summary["servers_stats"]
+    cpu = sum(s["cpu_seconds"] for s in stats)
+    messages = sum(s["slices"] for s in stats) * workers * steps
+    moved = summary["comm_bytes_per_step"] * workers * steps
+    per_byte = tcp_cpu_per_byte(hw, inter=summary.get("nodes", 1) > 1)
+    fitted = {"server_cpu_s_per_step": cpu / steps / len(stats)}
+    if all("update_cpu_seconds" in s for s in stats) and sum(s["updates"] for s in stats):
+        updating = sum(s["update_cpu_seconds"] for s in stats)
+        fitted["server_s_per_update"] = updating / sum(s["updates"] for s in stats)
+        cpu -= updating
+    return {**fitted, "server_s_per_message": (cpu - moved * per_byte) / messages}

@@ -3,6 +3,8 @@ its host issues its ops) and on the optimizer's step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.profile import ModelProfile
 
@@ -15,6 +17,9 @@ LAUNCH = "launch_s"  # a GPU's seconds to issue one kernel (paraloom calibrate -
 # parameter tensor, as `<name>.<optimizer>`; where measured they replace UPDATE_BYTES at bandwidth
 UPDATE_PER_PARAM, UPDATE_PER_TENSOR = "update_s_per_param", "update_s_per_tensor"
 HOST = "host_s"  # the host's seconds to issue one op, as `host_s.<op class>.<fwd|bwd>` (calibrate --device)
+# a CPU's seconds per op beyond its arithmetic, as `dispatch_s.<op class>.<fwd|bwd>` (paraloom calibrate on
+# a CPU, `cpu_host.py`): the core that computes the op dispatches it too, so these add to its compute
+DISPATCH = "dispatch_s"
 # seconds a framework's host adds per op launched that the device does not hide (an executor's per-op
 # work between kernels, as TensorFlow 1.x's showed: its intercept per step grows with the model's op
 # count); 0 unless a profile or a framework's fitted constants say (benchmarks/perfmodel_published.py)
@@ -27,8 +32,9 @@ def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, t
     a 3x3 stride-1 convolution's FLOPs divided by the device's Winograd factor for the dtype (a 5x5's
     by the same tile's factor for 5x5: `winograd_5x5`);
     and no faster than the host issues the layer's ops where a GPU profile measured that (`host_s.*`
-    or `launch_s`, from `paraloom calibrate --device`): small layers wait on their host; plus a
-    framework's per-op overhead where the profile has one (`op_overhead_s`).
+    or `launch_s`, from `paraloom calibrate --device`): small layers wait on their host; plus, on a
+    CPU, each op's dispatch and autograd work (`dispatch_s.*`), which the computing core does too;
+    plus a framework's per-op overhead where the profile has one (`op_overhead_s`).
 
     Megatron tensor parallelism splits the matmul, attention (and convolution) work of a layer
     tp ways; elementwise work on the replicated activations ("other") is not split, unless sequence
@@ -49,7 +55,19 @@ def layer_seconds(layer, hw: Hardware, dtype: str, phase: str, samples: float, t
         memory = moved.get(op_class, 0.0) * samples * share / hw.device.mem_bandwidth
         total += max(compute, memory)
     kernels = layer.fwd_kernels if phase == "fwd" else layer.bwd_kernels
-    return max(total, _issue_seconds(layer, hw, phase)) + kernels * hw.constants.get(OP_OVERHEAD, 0.0)
+    return (max(total, _issue_seconds(layer, hw, phase)) + dispatch_seconds(layer, hw, phase)
+            + kernels * hw.constants.get(OP_OVERHEAD, 0.0))
+
+
+def without_dispatch(hw: Hardware) -> Hardware:
+    """`hw` with no CPU dispatch costs: its compute is then its arithmetic alone."""
+    return replace(hw, constants={k: v for k, v in hw.constants.items() if not k.startswith(f"{DISPATCH}.")})
+
+
+def dispatch_seconds(layer, hw: Hardware, phase: str) -> float:
+    """A CPU's seconds dispatching a layer's ops in `phase` (`dispatch_s.*`); 0 where not measured."""
+    ops = layer.fwd_ops if phase == "fwd" else layer.bwd_ops
+    return sum(count * hw.constants.get(f"{DISPATCH}.{op}.{phase}", 0.0) for op, count in ops.items())
 
 
 def winograd_5x5(gain: float) -> float:

@@ -3,7 +3,7 @@
 A run's compute (or optimizer step) can miss its prediction for two reasons that call for opposite
 remedies: the machine computes slower (or faster) than when its profile was calibrated, and
 calibrating again fixes the prediction; or the machine is as calibrated and the model prices this
-model's work wrongly on a CPU (the per-op costs of small layers, few-channel convolutions, pooling;
+model's work wrongly on a CPU (few-channel convolutions, pooling, shapes its micro-benchmarks do not run;
 torch's per-tensor work in an optimizer step), which no calibration changes. `machine_check` tells
 them apart by measuring the profile's micro-benchmarks again, after the run.
 """
@@ -25,7 +25,8 @@ CONFIRMS = 2  # more samples before a rate is taken to have slowed
 RESCALED_FITS = 0.25  # and that alone explains the miss where the rescaled prediction comes this close
 # what the CPU model leaves out of each, which a machine measuring as calibrated points to
 UNPRICED = {"compute": ("this model's forward and backward cost", "them",
-                        "the per-op costs of small layers, few-channel convolutions or pooling"),
+                        "the rates of few-channel convolutions, pooling or other shapes its micro-benchmarks "
+                        "do not run"),
             "update": ("the optimizer step costs", "it",
                        "torch's work per parameter tensor: it prices the bytes moved at memory bandwidth")}
 
