@@ -266,6 +266,8 @@ def test_calibrate_cli_writes_a_profile_plan_can_use(tmp_path, capsys):
     hw = load_hardware(str(out))
     assert hw.intra.bandwidth > 1e7 and hw.intra.latency >= 0
     assert hw.constants["storage.read_bandwidth"] > 1e6 and list(tmp_path.iterdir()) == [out]
+    said = " ".join(capsys.readouterr().out.split())
+    assert hw.constants[f"{DISPATCH}.matmul.bwd"] > 0 and " us an op forward, " in said
     assert main(["plan", "--model", "mlp:hidden=512", "--cluster", str(out), "--nodes", "1..2",
                  "--global-batch", "64", "--sample-bytes", "3 KB"]) == 0
     assert "recommended:" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -157,7 +158,17 @@ def calibrate(
                   f"intra {hw.intra.bandwidth / 1e6:.0f} MB/s + {hw.intra.latency * 1e6:.0f} us, "
                   f"inter {hw.inter.bandwidth / 1e6:.0f} MB/s + {hw.inter.latency * 1e6:.0f} us"
                   + (f", storage read {read / 1e6:.0f} MB/s" if read else "")
-                  + f" -> {out}")
+                  + _dispatch_summary(hw.constants) + f" -> {out}")
+
+
+def _dispatch_summary(constants: dict[str, float]) -> str:
+    """A CPU's dispatch per op, forward and backward, the median over op classes ("" where not measured)."""
+    phases = {phase: [v for k, v in constants.items() if k.startswith("dispatch_s.") and k.endswith(phase)]
+              for phase in (".fwd", ".bwd")}
+    if not all(phases.values()):
+        return ""
+    fwd, bwd = (statistics.median(values) * 1e6 for values in phases.values())
+    return f", dispatch {fwd:.0f} us an op forward, {bwd:.0f} us backward"
 
 
 def _run_dirs(given: list[Path]) -> list[Path]:
