@@ -20,7 +20,6 @@ from paraloom.perfmodel.profile import profile_model
 from paraloom.perfmodel.strategies import Plan, estimate
 
 PHASES = ("fwd", "bwd")
-THREADS = torch.get_num_threads()
 OP_CLASSES = ("matmul", "conv", "attention", "other")
 
 
@@ -42,10 +41,11 @@ def test_profile_from_measurements_round_trips_and_caps_efficiency():
 
 
 def test_host_micro_benchmarks_give_each_ops_dispatch():
-    host = measure_host(threads=1, min_s=0.005)
+    before = torch.get_num_threads()
+    host = measure_host(threads=1 if before > 1 else 2, min_s=0.005)
     assert set(host) == {f"{DISPATCH}.{c}.{phase}" for c in OP_CLASSES for phase in PHASES}
     assert all(v > 0 for v in host.values())
-    assert torch.get_num_threads() == THREADS  # as it found them
+    assert torch.get_num_threads() == before  # as it found them
 
 
 def test_a_cpus_dispatch_adds_to_its_arithmetic_op_by_op():
