@@ -58,6 +58,17 @@ WITHIN = 0.15
 #   hide (the TensorFlow page's one-GPU runs at batch 32 and 64 put an intercept of 36 ms a step under
 #   ResNet-50 and 77 ms under ResNet-152, in proportion to their op counts).
 FRAMEWORKS: dict[str, dict[str, float]] = {"tensorflow-1": {"op_overhead_s": 60e-6}}
+# How a framework runs a plan, read from its source code (not fitted), for the cases that name it; a
+# case's own plan fields win:
+# - megatron-lm: its DistributedDataParallel (megatron/model/distributed.py, 2021-2023) only adds each
+#   gradient into the contiguous `main_grad` buffer during backward; `train_step` all-reduces the whole
+#   buffer (`allreduce_gradients`) once every micro-batch's backward has finished, so no reduction
+#   overlaps compute (overlapping it, `--overlap-grad-reduce`, came later and is off by default): the
+#   model's fifo, every bucket after backward.
+# - megatron-deepspeed: DeepSpeed's pipeline engine runs the same way: its TrainSchedule issues
+#   ReduceGrads after the last backward of the batch, then the optimizer step.
+FRAMEWORK_PLANS: dict[str, dict[str, Any]] = {"megatron-lm": {"scheduler": "fifo"},
+                                              "megatron-deepspeed": {"scheduler": "fifo"}}
 
 
 def hardware(raw: dict[str, Any], case: str) -> Hardware:
@@ -92,9 +103,15 @@ def _profile(model: str, dtype: str, recompute: str, half_model: bool = False):
 
 
 def throughput(case: dict[str, Any], plan_raw: dict[str, Any], batch: int) -> tuple[float, Any]:
-    """(samples a second, the estimate) of the case's model and hardware under `plan_raw`; a case's
-    `layout` (megatron, zero1...) is the framework's: the model itself in its dtype, its memory layout."""
-    framework = FRAMEWORKS.get(case.get("framework", ""), {})
+    """(samples a second, the estimate) of the case's model and hardware under `plan_raw` (over its
+    framework's way of running a plan, `FRAMEWORK_PLANS`); a case's `layout` (megatron, zero1...) is
+    the framework's: the model itself in its dtype, its memory layout."""
+    name = case.get("framework", "")
+    if name and name not in FRAMEWORKS and name not in FRAMEWORK_PLANS:
+        raise UserError(f"case {case['id']!r}: framework {name!r} is not known; choose from "
+                        f"{', '.join(sorted({*FRAMEWORKS, *FRAMEWORK_PLANS}))}")
+    framework = FRAMEWORKS.get(name, {})
+    plan_raw = {**FRAMEWORK_PLANS.get(name, {}), **plan_raw}
     raw = dict(case["hardware"])
     raw["constants"] = {**framework, **(raw.get("constants") or {})}
     hw = hardware(raw, case["id"])

@@ -51,6 +51,27 @@ def test_a_bad_case_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2 and "plan fields ['warp'] are not known" in done.stderr
 
 
+def test_a_framework_that_reduces_after_backward_exposes_the_all_reduce(tmp_path):
+    """Megatron-LM all-reduces its gradient buffer after the last backward (FRAMEWORK_PLANS): the same
+    case without the framework hides most of that all-reduce behind backward; a framework the
+    benchmark does not know is refused in one line."""
+    data = yaml.safe_load(CASES.read_text())
+    case = next(c for c in data["cases"] if c["id"] == "megatron-t1-1.7B")
+    assert case["framework"] == "megatron-lm"
+    bare = {k: v for k, v in case.items() if k != "framework"}
+    data["cases"] = [case, dict(bare, id="no-framework")]
+    path, out = tmp_path / "cases.yaml", tmp_path / "o.json"
+    path.write_text(yaml.safe_dump(data))
+    run_script("perfmodel_published.py", "--json", str(out), "--cases", str(path), timeout=120)
+    megatron, plain = json.loads(out.read_text())["rows"]
+    assert megatron["step_s"] > plain["step_s"] * 1.1  # the 1.7B model's 0.6 s all-reduce, now exposed
+    data["cases"] = [dict(case, framework="caffe")]
+    path.write_text(yaml.safe_dump(data))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "perfmodel_published.py"), "--json",
+                           str(out), "--cases", str(path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "framework 'caffe' is not known" in done.stderr
+
+
 def _fit_back(tmp_path, case_id: str, hardware_at: dict, target: str) -> dict:
     """Predict the case on `hardware_at`, call that its measurement, then `--fit target` on the case as
     committed: the fit `--fit` reports."""
