@@ -145,6 +145,31 @@ def test_reduce_scatter_and_all_gather(world, numel):
             assert ag_ok, f"{algorithm} all_gather"
 
 
+def _routes(rank, world):
+    """Which tensors the backend's all-reduce sends around paraloom's ring, and their sums."""
+    from paraloom.comm import algorithms
+
+    calls = []
+    ring = algorithms.ALGORITHMS["ring"]
+    algorithms.ALGORITHMS["ring"] = lambda flat, peers, **kw: (calls.append(1), ring(flat, peers, **kw))
+    half = algorithms.HALF_RING_BYTES // 2
+    out = {}
+    for name, dtype, numel in (("fp16 large", torch.float16, half), ("fp16 small", torch.float16, half - 1),
+                               ("bf16 large", torch.bfloat16, half), ("fp32 large", torch.float32, half)):
+        calls.clear()
+        x = _input(rank, numel, dtype, salt=5)
+        ref = _reference(x, dist.ReduceOp.AVG, world)
+        all_reduce(x, op=dist.ReduceOp.AVG)
+        out[name] = (len(calls), torch.equal(x, ref))
+    return out
+
+
+def test_gloo_float16_goes_around_the_ring():
+    for out in run_workers(_routes, 2):
+        assert out == {"fp16 large": (1, True), "fp16 small": (0, True), "bf16 large": (0, True),
+                       "fp32 large": (0, True)}
+
+
 def test_unknown_algorithm_lists_choices():
     with pytest.raises(UserError, match="choose one of: native, ring, halving_doubling, tree, one_to_all"):
         all_reduce(torch.zeros(1), algorithm="butterfly")

@@ -9,7 +9,13 @@
 - tree: binomial-tree reduce to rank 0, then binomial-tree broadcast, 2 log2(n) steps of S.
 - one_to_all: every rank sends to rank 0, which reduces and sends the result back (the traffic
   pattern of a single parameter server).
-- native: the backend's own all-reduce (gloo or NCCL).
+- native: the backend's own all-reduce (gloo or NCCL), except where gloo sums slowly: a CPU
+  float16 tensor of `HALF_RING_BYTES` or more goes around paraloom's ring instead. gloo adds
+  float16 element by element through float conversions, without vector instructions: on this
+  project's 2-core host its all-reduce of 4M float16 elements took as long as of 4M float32
+  (16.1 against 17.0 ms on 2 processes, 49.6 against 52.4 on 4) for half the bytes, where the
+  ring, summing with torch's vectorized kernels, took 9.4 and 39.4 ms (`benchmarks/half_sums.py`;
+  BENCHMARKS.md, "fp16 payloads at 10 Gbit/s"). bfloat16 gloo sums fast: it stays on gloo.
 
 Every function works in place on any tensor (any shape, size 0 and 1 included) and on any
 process group, and issues its messages in an order every rank derives from (rank, size) alone.
@@ -28,6 +34,7 @@ from paraloom.rules import check_name
 
 TAG_STRIDE = 1 << 16
 RING_LOOKAHEAD = 1
+HALF_RING_BYTES = 1 << 20  # at 256 KB and below gloo's fewer messages won or tied (4 processes)
 
 _SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
@@ -230,6 +237,12 @@ def _flat_workspace(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
 
 
+def _gloo_sums_slowly(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether the backend's all-reduce of `tensor` is gloo's float16 sum (module docstring)."""
+    return (tensor.dtype == torch.float16 and tensor.device.type == "cpu"
+            and tensor.numel() * 2 >= HALF_RING_BYTES and "gloo" in str(dist.get_backend(group)))
+
+
 def all_reduce(tensor: torch.Tensor, *, algorithm: str = "native",
                op: dist.ReduceOp.RedOpType = _SUM, group: dist.ProcessGroup | None = None,
                segment_bytes: int | None = None) -> torch.Tensor:
@@ -238,6 +251,8 @@ def all_reduce(tensor: torch.Tensor, *, algorithm: str = "native",
     if op not in (_SUM, _AVG):
         raise ValueError("only ReduceOp.SUM and ReduceOp.AVG are supported")
     peers = Peers(group)
+    if algorithm == "native" and _gloo_sums_slowly(tensor, group):
+        algorithm = "ring"
     if algorithm == "native":
         dist.all_reduce(tensor, op=_SUM, group=group)  # gloo has no AVG: divide below
     else:

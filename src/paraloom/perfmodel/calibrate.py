@@ -123,8 +123,9 @@ def tcp_cpu_from_rows(rows: list[dict[str, Any]]) -> float:
 def measure_groups(clusters) -> dict[str, float]:
     """gloo's own all-reduce (`comm.algorithm=native`, the engine's default) across each emulated
     cluster (n = its node count) for each wire dtype, as `group_key` constants: n processes sharing
-    one host's cores move bytes slower than the two the inter link is fitted on, and gloo sums fp16
-    and bf16 with about 1.5 times the CPU per byte of fp32 (paraloom's ring sums with torch's kernels).
+    one host's cores move bytes slower than the two the inter link is fitted on, and gloo sums bf16
+    with more CPU per byte than fp32 (fp16 payloads of 1 MiB and more go around paraloom's ring, as
+    the engine's do: `comm.algorithms`).
     Also each process's CPU seconds per byte all-reduced (sizes of 1 MiB and up, median): the
     kernel's TCP and the sums run on the cores the training computes on.
 
