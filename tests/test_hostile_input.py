@@ -137,6 +137,7 @@ def test_yaml_that_constructs_python_objects_is_refused(tmp_path):
 @pytest.mark.parametrize("argv", [
     "bench collectives --sizes abc", "bench collectives --nproc 1", "bench collectives --algorithms nope",
     "bench collectives --json /nonexistent/x.json", "bench collectives --max-repeats 1",
+    "bench collectives --dtype float64",
     "cluster up --nodes 0", "cluster up --nodes -3", "cluster up --bandwidth fast", "cluster up --name BAD!",
     "cluster up --latency 5ms", "report /nonexistent", "report /", "train --resume /",
     "train --resume / extra.yaml", "train --cluster a --emulate 2x1gbit",

@@ -12,6 +12,7 @@ from rich.console import Console
 from paraloom.cli.options import cluster_from_options
 from paraloom.errors import UserError
 
+WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 
 
@@ -25,6 +26,7 @@ def bench_collectives(
         metavar="NODESxRATE", help="bring up a cluster for the benchmark, e.g. 4x1gbit")] = None,
     nproc: Annotated[int, typer.Option(help="local workers when on loopback")] = 4,
     max_repeats: Annotated[int, typer.Option(help="timed repeats per point at most")] = 20,
+    dtype: Annotated[str, typer.Option(help="the tensors' dtype: float32, float16 or bfloat16")] = "float32",
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
 ) -> None:
     """All-reduce algorithms against the backend's own: time, algbw and busbw per size."""
@@ -37,13 +39,15 @@ def bench_collectives(
     size_list = parse_sizes(sizes)
     if nproc < 2:
         raise UserError(f"--nproc {nproc} must be at least 2 for a collective benchmark")
+    if dtype not in WIRE_DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of: {', '.join(WIRE_DTYPES)}")
     if max_repeats < 3:
         raise UserError(f"--max-repeats {max_repeats} must be at least 3")
     if json_out is not None and not json_out.parent.is_dir():
         raise UserError(f"--json {str(json_out)!r}: directory {str(json_out.parent)!r} does not exist")
     with cluster_from_options(cluster, emulate) as nodes:
         report = run_collectives(sizes=size_list, algorithms=names, cluster=nodes, nproc=nproc,
-                                 max_repeats=max_repeats)
+                                 max_repeats=max_repeats, dtype=dtype)
     Console(width=max(Console().width, 140)).print(report_table(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
