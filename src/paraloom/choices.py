@@ -27,6 +27,7 @@ BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl on cuda, else gloo
 ENGINES = ("bucketed", "naive")  # naive: one blocking all-reduce per tensor (the reference)
 ALL_REDUCE_ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "one_to_all")
 SHARDABLE_ALGORITHMS = ("native", "ring")  # those with a reduce-scatter and an all-gather
+WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces: gradients, fp16/bf16 payloads
 # all-reduce algorithms of other systems that the performance model prices (a plan on a cluster that
 # runs them: `paraloom plan --plan dp=64,algorithm=double_binary_tree`) but paraloom does not run
 # (hierarchical_<alg>: reduce-scatter inside each node, <alg> across nodes, all-gather inside: NCCL's

@@ -9,10 +9,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from paraloom.choices import WIRE_DTYPES
 from paraloom.cli.options import cluster_from_options
 from paraloom.errors import UserError
+from paraloom.rules import check_name
 
-WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 
 
@@ -39,8 +40,7 @@ def bench_collectives(
     size_list = parse_sizes(sizes)
     if nproc < 2:
         raise UserError(f"--nproc {nproc} must be at least 2 for a collective benchmark")
-    if dtype not in WIRE_DTYPES:
-        raise UserError(f"--dtype {dtype!r}: choose one of: {', '.join(WIRE_DTYPES)}")
+    check_name("--dtype", dtype, WIRE_DTYPES)
     if max_repeats < 3:
         raise UserError(f"--max-repeats {max_repeats} must be at least 3")
     if json_out is not None and not json_out.parent.is_dir():

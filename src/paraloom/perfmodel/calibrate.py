@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from paraloom.choices import WIRE_DTYPES
 from paraloom.errors import UserError
 from paraloom.perfmodel import machine_profile
 from paraloom.perfmodel.cpu_cost import (
@@ -46,7 +47,6 @@ from paraloom.perfmodel.strategies import (
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"
-WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces: gradients, fp16/bf16 payloads
 
 
 def measure_compute(threads: int = 1, min_s: float = 0.05) -> dict[str, float]:
