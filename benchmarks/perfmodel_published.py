@@ -25,7 +25,9 @@ How a prediction becomes the published figure:
 that device (the value in 0.01 steps with the smallest median absolute error, then mean), and
 reports it with those cases' errors before and after; it never reads a held-out case. What a
 preset carries from such a fit says so beside the value. `--fit tensorflow-1.op_overhead_s` fits
-a constant of a framework in `FRAMEWORKS` to the fit cases that name it, the same way.
+a constant of a framework in `FRAMEWORKS` to the fit cases that name it, the same way, and
+`--fit p100.winograd` a device preset's fp32 Winograd factor (a 1.00-4.00 grid in 0.05 steps: from
+none to F(4x4, 3x3)'s 4).
 """
 
 from __future__ import annotations
@@ -211,13 +213,22 @@ def with_efficiency(case: dict[str, Any], op_class: str, value: float) -> dict[s
     return {**case, "hardware": {**case["hardware"], "device": device}}
 
 
+def with_winograd(case: dict[str, Any], _: str, value: float) -> dict[str, Any]:
+    """The case with its device's fp32 Winograd factor set to `value` (the rest inherited)."""
+    device = case["hardware"]["device"]
+    device = dict(device) if isinstance(device, dict) else {"preset": device}
+    device["winograd"] = {**device.get("winograd", {}), "fp32": value}
+    return {**case, "hardware": {**case["hardware"], "device": device}}
+
+
 def _errors(cases: list[dict[str, Any]]) -> list[float]:
     return [predict(case)["predicted"] / float(case["measured"]["value"]) - 1 for case in cases]
 
 
 def fit_efficiency(cases_file: Path, target: str) -> dict[str, Any]:
     """`--fit DEVICE.CLASS`: the efficiency of one op class of one device preset that fits its `fit`
-    cases best (median absolute error, then mean, over a 0.01 grid in (0, 1])."""
+    cases best (median absolute error, then mean, over a 0.01 grid in (0, 1]); `DEVICE.winograd` its
+    fp32 Winograd factor (a 0.05 grid in [1, 4])."""
     device, _, op_class = target.partition(".")
     cases = yaml.safe_load(cases_file.read_text())["cases"]
     if device in FRAMEWORKS:  # a framework's constant: over its fit cases, 0 and 1-9 x 1e-6..1e-3
@@ -225,11 +236,14 @@ def fit_efficiency(cases_file: Path, target: str) -> dict[str, Any]:
         grid = [0.0] + [k * 10.0**e for e in range(-6, -2) for k in range(1, 10)]
         variant = with_constant
     else:
-        if op_class not in OP_CLASSES:
+        if op_class not in (*OP_CLASSES, "winograd"):
             raise UserError(f"--fit {target!r}: write DEVICE.CLASS with a class in {', '.join(OP_CLASSES)}, "
-                            f"or FRAMEWORK.CONSTANT with a framework in {', '.join(FRAMEWORKS)}")
+                            "DEVICE.winograd, or FRAMEWORK.CONSTANT with a framework in "
+                            f"{', '.join(FRAMEWORKS)}")
         chosen = [c for c in cases if c["split"] == "fit" and device_of(c) == device]
         grid, variant = [step / 100 for step in range(1, 101)], with_efficiency
+        if op_class == "winograd":
+            grid, variant = [step / 100 for step in range(100, 401, 5)], with_winograd
     if not chosen:
         raise UserError(f"--fit {target!r}: no fit case runs on {device!r}")
     scored = []

@@ -98,6 +98,14 @@ def test_fit_recovers_the_efficiency_a_case_was_measured_at(tmp_path):
     assert fit["median_after"] < 1e-9 < fit["median_before"] and fit["cases"] == ["tf-aws-resnet50-1gpu"]
 
 
+def test_fit_recovers_the_winograd_factor_a_case_was_measured_at(tmp_path):
+    """A P100 case measured at what the model predicts with a Winograd factor of 3 fits back to 3."""
+    p100_at = {"device": {"preset": "p100", "winograd": {"fp32": 3.0}}}
+    fit = _fit_back(tmp_path, "tf-dgx1-alexnet-1gpu", p100_at, "p100.winograd")
+    assert (fit["device"], fit["op_class"], fit["value"]) == ("p100", "winograd", 3.0)
+    assert fit["median_after"] < 1e-9 < fit["median_before"]
+
+
 def test_megatrons_own_layout_of_its_1t_run_fits_its_80_gb_gpus(tmp_path):
     """Narayanan et al. 2021 trained the 1T GPT on tp8 x pp64 A100s of 80 GB: in Megatron's layout (the
     model in fp16, one fp32 main_grad) the model says it fits; in paraloom's own it would not."""

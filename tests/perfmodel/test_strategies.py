@@ -297,12 +297,13 @@ def test_winograd_divides_the_3x3_convolutions_flops_where_the_device_says_and_w
 
     vgg = profile_model("vgg16")
     p100 = load_hardware("p100-ib-edr")
-    assert p100.device.winograd == {"fp32": 2.25} and load_hardware("a100-ib-hdr").device.winograd == {}
+    assert p100.device.winograd == {"fp32": 2.6} and load_hardware("a100-ib-hdr").device.winograd == {}
+    assert load_hardware("v100-ib-edr").device.winograd == {"fp32": 2.25}  # F(2x2, 3x3) where not fitted
     direct = replace(p100, device=replace(p100.device, winograd={}))
     with_gain, without = (estimate(vgg, hw, Plan(), 8).breakdown["compute"] for hw in (p100, direct))
     conv = sum(layer.fwd_flops["conv"] + layer.bwd_flops["conv"] for layer in vgg.layers) * 8 \
         / p100.achieved_flops("fp32", "conv")
-    assert without - with_gain == pytest.approx(conv * (1 - 1 / 2.25), rel=0.02)  # VGG's convs are all 3x3
+    assert without - with_gain == pytest.approx(conv * (1 - 1 / 2.6), rel=0.02)  # VGG's convs are all 3x3
     measured = replace(p100, constants={"flops.fp32.conv": p100.achieved_flops("fp32", "conv")})
     assert estimate(vgg, measured, Plan(), 8).breakdown["compute"] == pytest.approx(without)
 
@@ -322,7 +323,9 @@ def test_winograds_5x5_factor_is_the_same_tiles_and_a_frameworks_op_overhead_add
 
     saved = seconds(direct, "fwd") - seconds(p100, "fwd")
     rate = p100.achieved_flops("fp32", "conv")
-    expected = 64 * (layer.fwd_winograd * (1 - 1 / 2.25) + layer.fwd_winograd5 * (1 - 36 / 100)) / rate
+    gain = p100.device.winograd["fp32"]
+    expected = 64 * (layer.fwd_winograd * (1 - 1 / gain)
+                     + layer.fwd_winograd5 * (1 - 1 / winograd_5x5(gain))) / rate
     assert saved == pytest.approx(expected)
     slow = replace(p100, constants={"op_overhead_s": 1e-4})
     added = seconds(slow, "bwd") - seconds(p100, "bwd")
