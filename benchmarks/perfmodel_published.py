@@ -205,20 +205,22 @@ def with_constant(case: dict[str, Any], name: str, value: float) -> dict[str, An
     return {**case, "hardware": {**case["hardware"], "constants": constants}}
 
 
-def with_efficiency(case: dict[str, Any], op_class: str, value: float) -> dict[str, Any]:
-    """The case with its device's efficiency for `op_class` set to `value` (the rest inherited)."""
+def _with_device_table(case: dict[str, Any], table: str, key: str, value: float) -> dict[str, Any]:
+    """The case with its device's `table` (efficiency, winograd) set at `key` (the rest inherited)."""
     device = case["hardware"]["device"]
     device = dict(device) if isinstance(device, dict) else {"preset": device}
-    device["efficiency"] = {**device.get("efficiency", {}), op_class: value}
+    device[table] = {**device.get(table, {}), key: value}
     return {**case, "hardware": {**case["hardware"], "device": device}}
+
+
+def with_efficiency(case: dict[str, Any], op_class: str, value: float) -> dict[str, Any]:
+    """The case with its device's efficiency for `op_class` set to `value` (the rest inherited)."""
+    return _with_device_table(case, "efficiency", op_class, value)
 
 
 def with_winograd(case: dict[str, Any], _: str, value: float) -> dict[str, Any]:
     """The case with its device's fp32 Winograd factor set to `value` (the rest inherited)."""
-    device = case["hardware"]["device"]
-    device = dict(device) if isinstance(device, dict) else {"preset": device}
-    device["winograd"] = {**device.get("winograd", {}), "fp32": value}
-    return {**case, "hardware": {**case["hardware"], "device": device}}
+    return _with_device_table(case, "winograd", "fp32", value)
 
 
 def _errors(cases: list[dict[str, Any]]) -> list[float]:
