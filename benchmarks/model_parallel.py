@@ -188,7 +188,8 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
                                f"parallel.microbatches={m}", f"parallel.schedule={schedule}",
                                "parallel.balance=time", *chunks)
             kept = ("bubble_bottleneck", "bubble_fill_drain", "steady_wait_bottleneck", "bubble",
-                    "bubble_theory", "step_seconds", "partition", "bubble_fill_drain_per_rank")
+                    "bubble_theory", "step_seconds", "partition", "bubble_fill_drain_per_rank",
+                    "bubble_fill_drain_of_medians")
             runs[schedule].append({**{key: summary[key] for key in kept},
                                    **at_measured_balance(summary, schedule, m, v)})
     result: dict[str, Any] = {"gpt": gpt, "p": 2, "m": m, "v": v, "steps": steps}
@@ -206,6 +207,9 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
                             "bubble_rel_error": abs(measured - theory) / theory,
                             "bubble_fill_drain": fill_drain,
                             "bubble_fill_drain_rel_error": abs(fill_drain - theory) / theory,
+                            # read from each time's median apart (the reading of runs 1-14)
+                            "bubble_fill_drain_of_medians": statistics.median(
+                                r["bubble_fill_drain_of_medians"] for r in rows),
                             "fill_drain_lighter_stage": lighter,
                             "fill_drain_lighter_stage_rel_error": abs(lighter - theory) / theory,
                             "fill_drain_expected_bottleneck": expected,

@@ -350,6 +350,20 @@ def test_bubbles_split_the_bottleneck_stage():
     assert bubbles(per_rank[:, :3], pp=2, m=8)["bubble_fill_drain"] == pytest.approx(0.2)
 
 
+def test_bubbles_read_step_by_step_cancel_a_steps_jitter():
+    # one stage, three steps, each idle 0.1 of its schedule before marked actions; steps run long or
+    # short and their waits fall in the steady state unevenly: the medians of each time, taken apart,
+    # come from different steps and read 1 - (1.2 + 0.05) / 1.5; step by step every share is 0.1
+    per_step = torch.tensor([[[0.9, 1.2, 1.3], [1.0, 2.0, 1.5], [0.0, 0.6, 0.05]]])
+    per_rank = torch.tensor([[1.5, 1.2, 1.5, 0.05, 0.0]])
+    assert bubbles(per_rank, pp=2, m=8)["bubble_fill_drain"] == pytest.approx(1 - 1.25 / 1.5)
+    figures = bubbles(per_rank, pp=2, m=8, per_step=per_step)
+    assert figures["bubble_fill_drain"] == pytest.approx(0.1)
+    assert figures["makespan_seconds"] == pytest.approx(1.5)
+    assert figures["steady_wait_bottleneck"] == pytest.approx(0.05 / 1.5)
+    assert figures["bubble_per_rank"] == pytest.approx([1 - 1.3 / 1.5])  # of 0.1, 0.4 and 0.133
+
+
 def test_fill_and_drain_are_read_against_the_first_stages_schedule():
     # stage 1's schedule (1.1 s) holds 0.1 s of waiting for what stage 0 does between steps beyond
     # its own: the makespan is stage 0's 1.0 s; the idle in all still reads against the longest

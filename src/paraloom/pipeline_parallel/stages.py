@@ -96,40 +96,55 @@ def _renamed(key: str, names: list[str]) -> str:
     return f"{prefix}.{rest}" if prefix else rest
 
 
-def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1) -> dict[str, object]:
+def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1,
+            per_step: torch.Tensor | None = None) -> dict[str, object]:
     """Bubble figures from every rank's (median step, busy, schedule[, steady-state wait[, pipeline
-    stage]]) seconds, one row per rank.
+    stage]]) seconds, one row per rank; with `per_step` ([rank, (busy, schedule, steady-state wait),
+    step]) each share is instead the median over steps of that step's share.
+
+    A share is a small difference of two long times (about 0.1 of a step): read from medians taken
+    step by step apart, a step's jitter in the one does not cancel the same step's in the other, and
+    the share moves several times as much as either median; read within each step, it does.
 
     The fill and drain are read against the schedule's makespan: the first stage's schedule time,
     since its first forward starts a step and its last backward ends it. A later stage starts its
     step by waiting for that forward, so its own schedule time also holds whatever the first stage
     does between steps beyond what the later stage does (a longer optimizer step, the next batch),
     which no schedule counts. Rows without a stage column are all taken for first stages."""
-    step, busy, schedule = per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]
-    steady = per_rank[:, 3] if per_rank.shape[1] > 3 else torch.zeros_like(busy)
-    first = per_rank[:, 4] == 0 if per_rank.shape[1] > 4 else torch.ones_like(busy, dtype=torch.bool)
+    if per_step is None:  # one "step": the medians themselves
+        per_step = per_rank[:, 1:4].unsqueeze(-1)
+        if per_rank.shape[1] < 4:
+            per_step = torch.cat([per_step, torch.zeros_like(per_step[:, :1])], dim=1)
+    busy, schedule, steady = per_step[:, 0], per_step[:, 1], per_step[:, 2]
+    first = per_rank[:, 4] == 0 if per_rank.shape[1] > 4 else torch.ones(len(per_rank), dtype=torch.bool)
     ran = bool(schedule.max() > 0)
-    makespan = schedule[first].max() if ran else schedule.max()
-    neck = int(busy.argmax())  # the bottleneck stage: the most compute
-    fill_drain = 1 - (busy + steady) / makespan if ran else torch.zeros_like(busy)
+    makespan = schedule[first].amax(0) if ran else schedule.amax(0)  # per step
+    longest = schedule.amax(0).clamp_min(1e-12)
+    neck = int(_median(busy).argmax())  # the bottleneck stage: the most compute
+    fill_drain = _median(1 - (busy + steady) / makespan.clamp_min(1e-12))
+    own = torch.where(schedule > 0, 1 - busy / schedule.clamp_min(1e-12), torch.zeros_like(busy))
     return {
-        "step_seconds": float(step.max()),  # a step is done when the slowest rank is
-        "step_seconds_per_rank": step.tolist(),
-        "schedule_seconds_per_rank": schedule.tolist(),  # the pipeline schedule alone
-        "makespan_seconds": float(makespan),
+        "step_seconds": float(per_rank[:, 0].max()),  # a step is done when the slowest rank is
+        "step_seconds_per_rank": per_rank[:, 0].tolist(),
+        "schedule_seconds_per_rank": _median(schedule).tolist(),  # the pipeline schedule alone
+        "makespan_seconds": float(_median(makespan)),
         # the share of the schedule's time a rank did not compute (the optimizer step excluded)
-        "bubble_per_rank": [1 - b / s if s > 0 else 0.0 for b, s in zip(busy.tolist(), schedule.tolist(),
-                                                                         strict=True)],
+        "bubble_per_rank": _median(own).tolist(),
         # the whole pipeline's: idle share of all ranks' time over the slowest rank's schedule time
-        "bubble": 1 - float(busy.mean() / schedule.max()) if ran else 0.0,
+        "bubble": float(_median(1 - busy.mean(0) / longest)) if ran else 0.0,
         # the bottleneck stage's, without the others' load imbalance: fill, drain and steady-state waits
-        "bubble_bottleneck": 1 - float(busy[neck] / schedule.max()) if ran else 0.0,
+        "bubble_bottleneck": float(_median(1 - busy[neck] / longest)) if ran else 0.0,
         # ... its waits where the ideal schedule has none (uneven compute, the runtime's own work)
-        "steady_wait_bottleneck": float(steady[neck] / schedule.max()) if ran else 0.0,
+        "steady_wait_bottleneck": float(_median(steady[neck] / longest)) if ran else 0.0,
         # the rest within the makespan: the fill and drain that (p-1)/(v m+p-1) describes
-        "bubble_fill_drain": float(fill_drain[neck]),
+        "bubble_fill_drain": float(fill_drain[neck]) if ran else 0.0,
         # every rank's: a first stage that computes more than the rest loses fill and drain as they
         # run ahead of it; a busier last stage's stays near the theory's (`schedules.fill_drain_shares`)
         "bubble_fill_drain_per_rank": fill_drain.tolist() if ran else [],
         "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }
+
+
+def _median(t: torch.Tensor) -> torch.Tensor:
+    """The median over the last dimension (the mean of the two middle values of an even count)."""
+    return torch.quantile(t.double(), 0.5, dim=-1)

@@ -242,6 +242,17 @@ class ModelParallelStrategy(EngineStrategy):
         self.recipe.load_state_dict(state["recipe"])
         self.engine.load_comm_state_dict(state["engine"])
 
+    def _per_step(self, history: list) -> torch.Tensor | None:
+        """Every rank's (busy, schedule, steady-state wait) seconds of each pipeline step, the first two
+        excluded (they warm up allocators and caches): [rank, 3, step] (collective)."""
+        kept = history[2:] or history
+        n = int(gather_floats([float(len(kept))], self.group).min())  # the same count on every rank
+        if n == 0:
+            return None
+        rows = [[getattr(h, key) for h in kept[:n]] for key in ("busy_seconds", "step_seconds",
+                                                                 "steady_wait_seconds")]
+        return gather_floats([x for row in rows for x in row], self.group).reshape(-1, 3, n)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("grid") != list(self.grid) or state.get("virtual_stages", 1) != self.v:
             raise UserError(f"the checkpoint was written by a dp x tp x pp = {state.get('grid')} grid of "
@@ -262,8 +273,11 @@ class ModelParallelStrategy(EngineStrategy):
                                   float(self.groups.pp_rank),
                                   float(param_bytes(self.model)), float(self.peak_activation)], self.group)
         dp, tp, pp = self.grid
+        # the fill and drain read from each time's median apart, as before 2026-11-29 (noisier)
+        of_medians = bubbles(per_rank[:, :5], pp, self.m, self.v)["bubble_fill_drain"]
         return {"grid": {"dp": dp, "tp": tp, "pp": pp}, "schedule": self.schedule, "microbatches": self.m,
                 "virtual_stages": self.v, "partition": [list(b) for b in self.bounds],
-                **bubbles(per_rank[:, :5], pp, self.m, self.v),
+                **bubbles(per_rank[:, :5], pp, self.m, self.v, self._per_step(history)),
+                "bubble_fill_drain_of_medians": of_medians,
                 "param_bytes_per_rank": [int(b) for b in per_rank[:, 5].tolist()],
                 "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 6].tolist()]}
