@@ -21,10 +21,15 @@ the GPT below; the peers run the same model, batch and optimizer under torchrun
       unigram baseline of the same split.
   (e) interleaving: p = 2, m = 8 on BUBBLE_GPT (stages balanced by profiled time), 1f1b against
       interleaved_1f1b with v = 2, `--repeats` runs each alternated, `BUBBLE_STEPS` steps a run; the
-      bottleneck stage's bubble (median over runs) against (p-1)/(m+p-1) and (p-1)/(v m+p-1), in
-      all and split: the fill and drain (its idle where the ideal schedule has idle,
-      `schedules.idle_before`) and its steady-state waits (where the ideal has none: the stages'
-      uneven compute from one micro-batch to the next, and the runtime's own work).
+      pipeline's fill and drain (median over runs) against (p-1)/(m+p-1) and (p-1)/(v m+p-1), read
+      on the last stage (the headline since 2026-11-29: the ideal run idles it only before its first
+      action and after its last, so no mid-schedule jitter moves idle into or out of it), and the
+      bottleneck stage's (the headline of runs 1-15) in all and split: the fill and drain (its idle
+      where the ideal schedule has idle, `schedules.idle_before`) and its steady-state waits (where
+      the ideal has none: the stages' uneven compute from one micro-batch to the next, and the
+      runtime's own work). Each share is the median over a run's steps of that step's share
+      (`stages.bubbles`); the reading of runs 1-14, a share of the times' medians taken apart, is
+      recorded beside it (`bubble_fill_drain_of_medians`).
 A step time is the median over a run's steps (the first two excluded) of the slowest rank.
 """
 
@@ -189,7 +194,7 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
                                "parallel.balance=time", *chunks)
             kept = ("bubble_bottleneck", "bubble_fill_drain", "steady_wait_bottleneck", "bubble",
                     "bubble_theory", "step_seconds", "partition", "bubble_fill_drain_per_rank",
-                    "bubble_fill_drain_of_medians")
+                    "bubble_fill_drain_of_medians", "bubble_fill_drain_last_stage")
             runs[schedule].append({**{key: summary[key] for key in kept},
                                    **at_measured_balance(summary, schedule, m, v)})
     result: dict[str, Any] = {"gpt": gpt, "p": 2, "m": m, "v": v, "steps": steps}
@@ -199,6 +204,7 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
         lighter = statistics.median(r["fill_drain_lighter_stage"] for r in rows)
         expected = statistics.median(r["fill_drain_expected_bottleneck"] for r in rows)
         theory = rows[0]["bubble_theory"]
+        last = statistics.median(r["bubble_fill_drain_last_stage"] for r in rows)
         # the bottleneck stage's idle share in all, and split: the fill and drain the theory describes,
         # and its waits where the ideal schedule has none (neighbours' uneven compute); the lighter
         # stage's fill and drain, which the stages' imbalance barely moves; and the bottleneck's fill
@@ -207,6 +213,10 @@ def interleaving(out: Path, gpt: dict[str, int], steps: int, m: int, v: int, rep
                             "bubble_rel_error": abs(measured - theory) / theory,
                             "bubble_fill_drain": fill_drain,
                             "bubble_fill_drain_rel_error": abs(fill_drain - theory) / theory,
+                            # the last stage's (idle only at its ends in the ideal run): the headline
+                            "bubble_fill_drain_last_stage": last,
+                            "bubble_fill_drain_last_stage_signed_error": (last - theory) / theory,
+                            "bubble_fill_drain_last_stage_rel_error": abs(last - theory) / theory,
                             # read from each time's median apart (the reading of runs 1-14)
                             "bubble_fill_drain_of_medians": statistics.median(
                                 r["bubble_fill_drain_of_medians"] for r in rows),
@@ -288,6 +298,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         summary["step_ratio_interleaved_over_1f1b"] = inter["step_ratio_interleaved_over_1f1b"]
         for key, name in (("1f1b", "1f1b_p2_m8"), ("interleaved_1f1b", "interleaved_p2_m8_v2")):
             figures = inter[key]
+            summary[f"last_stage_fill_drain_rel_error_{name}"] = (
+                figures["bubble_fill_drain_last_stage_rel_error"])
             summary[f"fill_drain_lighter_stage_rel_error_{name}"] = (
                 figures["fill_drain_lighter_stage_rel_error"])
             summary[f"fill_drain_rel_error_at_measured_balance_{name}"] = (

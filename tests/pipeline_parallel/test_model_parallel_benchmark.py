@@ -28,6 +28,8 @@ def test_model_parallel_benchmark_quick(tmp_path):
         assert run["busier_over_lighter"] >= 1 and 0 < run["fill_drain_expected_bottleneck"] < 1
         assert run["bubble_fill_drain"] in run["bubble_fill_drain_per_rank"]  # the bottleneck's own
         assert run["fill_drain_lighter_stage"] in run["bubble_fill_drain_per_rank"]
+        assert run["bubble_fill_drain_last_stage"] == run["bubble_fill_drain_per_rank"][-1]  # the headline
     assert "fill_drain_rel_error_at_measured_balance_interleaved_p2_m8_v2" in summary
     assert summary["fill_drain_rel_error_1f1b_p2_m8"] >= 0
+    assert summary["last_stage_fill_drain_rel_error_interleaved_p2_m8_v2"] >= 0
     assert summary["step_ratio_interleaved_over_1f1b"] > 0

@@ -347,6 +347,7 @@ def test_bubbles_split_the_bottleneck_stage():
     assert figures["steady_wait_bottleneck"] == pytest.approx(0.05)
     assert figures["bubble_fill_drain"] == pytest.approx(0.15)
     assert figures["bubble_fill_drain_per_rank"] == pytest.approx([0.3, 0.15])
+    assert figures["bubble_fill_drain_last_stage"] == pytest.approx(0.15)  # no stage column: the last row
     assert bubbles(per_rank[:, :3], pp=2, m=8)["bubble_fill_drain"] == pytest.approx(0.2)
 
 
@@ -372,4 +373,11 @@ def test_fill_and_drain_are_read_against_the_first_stages_schedule():
     assert figures["makespan_seconds"] == pytest.approx(1.0)
     assert figures["bubble_fill_drain_per_rank"] == pytest.approx([0.15, 0.10])
     assert figures["bubble_fill_drain"] == pytest.approx(0.10)  # stage 1 computes most
+    assert figures["bubble_fill_drain_last_stage"] == pytest.approx(0.10)
     assert figures["bubble_bottleneck"] == pytest.approx(1 - 0.85 / 1.1)
+    # dp2 x pp2, stage 0 the busier: the bottleneck reads stage 0, the last stage the mean of its ranks
+    grid = torch.tensor([[1.2, 0.90, 1.0, 0.02, 0.0], [1.2, 0.80, 1.0, 0.05, 1.0],
+                         [1.2, 0.90, 1.0, 0.03, 0.0], [1.2, 0.80, 1.0, 0.07, 1.0]])
+    figures = bubbles(grid, pp=2, m=8)
+    assert figures["bubble_fill_drain"] == pytest.approx(0.08)
+    assert figures["bubble_fill_drain_last_stage"] == pytest.approx(0.14)

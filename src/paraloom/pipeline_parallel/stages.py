@@ -110,13 +110,16 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1,
     since its first forward starts a step and its last backward ends it. A later stage starts its
     step by waiting for that forward, so its own schedule time also holds whatever the first stage
     does between steps beyond what the later stage does (a longer optimizer step, the next batch),
-    which no schedule counts. Rows without a stage column are all taken for first stages."""
+    which no schedule counts. Rows without a stage column are all taken for first stages, and the
+    last row for the last stage."""
     if per_step is None:  # one "step": the medians themselves
         per_step = per_rank[:, 1:4].unsqueeze(-1)
         if per_rank.shape[1] < 4:
             per_step = torch.cat([per_step, torch.zeros_like(per_step[:, :1])], dim=1)
     busy, schedule, steady = per_step[:, 0], per_step[:, 1], per_step[:, 2]
-    first = per_rank[:, 4] == 0 if per_rank.shape[1] > 4 else torch.ones(len(per_rank), dtype=torch.bool)
+    stage = per_rank[:, 4] if per_rank.shape[1] > 4 else None
+    first = stage == 0 if stage is not None else torch.ones(len(per_rank), dtype=torch.bool)
+    last = stage == stage.max() if stage is not None else torch.arange(len(per_rank)) == len(per_rank) - 1
     ran = bool(schedule.max() > 0)
     makespan = schedule[first].amax(0) if ran else schedule.amax(0)  # per step
     longest = schedule.amax(0).clamp_min(1e-12)
@@ -141,6 +144,10 @@ def bubbles(per_rank: torch.Tensor, pp: int, m: int, v: int = 1,
         # every rank's: a first stage that computes more than the rest loses fill and drain as they
         # run ahead of it; a busier last stage's stays near the theory's (`schedules.fill_drain_shares`)
         "bubble_fill_drain_per_rank": fill_drain.tolist() if ran else [],
+        # the last stage's (the mean over its ranks): the ideal run idles it only before its first
+        # action and after its last (`schedules.idle_before`), so a neighbour's jitter in mid-schedule
+        # cannot move a wait into or out of it, as it does the first stage's between its backwards
+        "bubble_fill_drain_last_stage": float(fill_drain[last].mean()) if ran else 0.0,
         "bubble_theory": bubble_fraction(pp, m, v) if pp > 1 else 0.0,
     }
 
