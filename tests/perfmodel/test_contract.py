@@ -21,6 +21,7 @@ from paraloom.perfmodel.contract import (
     off_terms,
     predicted_terms,
     report,
+    spread_by_calibrated,
     spread_miss,
     stale_hint,
     warning,
@@ -129,6 +130,29 @@ def test_a_step_missed_by_many_small_terms_is_said_with_its_parts(capsys):
     assert spread_miss(report(predicted, [measured | {"step": 0.012}], tolerance=0.25)) == ""  # +20%: within
     compute_off = measured | {"compute": 0.012, "step": 0.016}  # a term off says it itself
     assert spread_miss(report(predicted, [compute_off], tolerance=0.25)) == ""
+
+
+def test_a_spread_miss_of_the_calibrated_terms_names_a_stale_profile(capsys):
+    """No term off, the step 37% over, most of it compute, communication and update (calibrated
+    rates): the end of the run names the cached profile's age; a miss that is mostly data does not."""
+    from paraloom.cli.train import print_contract
+
+    cached = _predicted(step=0.010, update=0.0002, compute=0.0078) | {
+        "hardware_file": "/cache/hw.yaml", "hardware_measured": "2026-11-27T23:45:00+00:00"}
+    measured = dict.fromkeys(TERMS, 0.0) | {"step": 0.0137, "compute": 0.0097, "communication": 0.003,
+                                            "update": 0.0008, "data": 0.0002}
+    contract = report(cached, [measured], tolerance=0.25)
+    assert contract["off"] == [] and spread_by_calibrated(contract)
+    print_contract(contract)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the step misses its prediction by +37%" in err and "/cache/hw.yaml" in err, err
+    by_data = measured | {"compute": 0.0078, "communication": 0.002, "update": 0.0002, "data": 0.0022,
+                          "overhead": 0.0017, "step": 0.0139}  # data and Python: not the profile's
+    contract = report(cached, [by_data], tolerance=0.25)
+    assert contract["off"] == [] and spread_miss(contract) and not spread_by_calibrated(contract)
+    print_contract(contract)
+    assert "/cache/hw.yaml" not in capsys.readouterr().err
+    assert not spread_by_calibrated(report(cached, [measured | {"step": 0.012}], tolerance=0.25))  # +20%
 
 
 RATES = {"matmul": 80e9, "conv": 40e9, "attention": 40e9, "other": 2e9, "bandwidth": 10e9}

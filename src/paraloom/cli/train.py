@@ -262,7 +262,7 @@ def print_contract(contract: dict | None) -> None:
         reason = predicted.get("skipped") or predicted.get("error")
         Console(stderr=True).print(f"paraloom: no prediction: {reason}", highlight=False)
         return
-    from paraloom.perfmodel.contract import CALIBRATED, TERMS, spread_miss, stale_hint
+    from paraloom.perfmodel.contract import CALIBRATED, TERMS, spread_by_calibrated, spread_miss, stale_hint
 
     off = set(contract.get("off", []))
     table = Table(title=f"predicted ({predicted['hardware']}) and measured, ms per step")
@@ -294,5 +294,6 @@ def print_contract(contract: dict | None) -> None:
     if spread:
         say(spread)
     hint, named = stale_hint(predicted), off & set(CALIBRATED) - set(checked)
-    if hint and named and not any(predicted["hardware_file"] in line for line in checked.values()):
-        say(hint)  # the profile's age, for a term measured again nowhere (and not said already)
+    if hint and (named or spread_by_calibrated(contract)) and \
+            not any(predicted["hardware_file"] in line for line in checked.values()):
+        say(hint)  # the profile's age, for terms measured again nowhere (and not said already)

@@ -166,6 +166,15 @@ def spread_miss(contract: dict[str, Any]) -> str:
             f"it by more than {tolerance:.0%} of the predicted step: {shown}")
 
 
+def spread_by_calibrated(contract: dict[str, Any]) -> bool:
+    """Whether a spread miss (`spread_miss`) is mostly the calibrated terms': more than half of the
+    step's miss, in its direction, is theirs (a stale profile's, then, not the data's or Python's)."""
+    predicted, measured = contract["predicted"], contract["measured"]
+    miss = measured["step"] - predicted["step_seconds"]
+    theirs = sum(measured[t] - predicted["terms"][t] for t in CALIBRATED)
+    return bool(spread_miss(contract)) and theirs * miss > 0 and abs(theirs) > abs(miss) / 2
+
+
 def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) -> str:
     p, m = predicted["terms"][term], measured[term]
     ratio = f"{m / p:.1f}x" if p > 0 else "more than"
