@@ -242,11 +242,9 @@ class ModelParallelStrategy(EngineStrategy):
         self.recipe.load_state_dict(state["recipe"])
         self.engine.load_comm_state_dict(state["engine"])
 
-    def _per_step(self, history: list) -> torch.Tensor | None:
-        """Every rank's (busy, schedule, steady-state wait) seconds of each pipeline step, the first two
-        excluded (they warm up allocators and caches): [rank, 3, step] (collective)."""
-        kept = history[2:] or history
-        n = int(gather_floats([float(len(kept))], self.group).min())  # the same count on every rank
+    def _per_step(self, kept: list, n: int) -> torch.Tensor | None:
+        """Every rank's (busy, schedule, steady-state wait) seconds of its first `n` `kept` pipeline
+        steps (`n`: the fewest any rank kept): [rank, 3, step] (collective)."""
         if n == 0:
             return None
         rows = [[getattr(h, key) for h in kept[:n]] for key in ("busy_seconds", "step_seconds",
@@ -267,17 +265,19 @@ class ModelParallelStrategy(EngineStrategy):
     def summary(self) -> dict[str, Any]:
         """Step and schedule times, bubbles, memory and partition, every rank's (collective)."""
         history = self.stage.history
+        kept = history[2:] or history  # the first two steps warm up allocators and caches
         per_rank = gather_floats([_median(self.step_seconds), _median([h.busy_seconds for h in history]),
                                   _median([h.step_seconds for h in history]),
                                   _median([h.steady_wait_seconds for h in history]),
-                                  float(self.groups.pp_rank),
-                                  float(param_bytes(self.model)), float(self.peak_activation)], self.group)
+                                  float(self.groups.pp_rank), float(param_bytes(self.model)),
+                                  float(self.peak_activation), float(len(kept))], self.group)
         dp, tp, pp = self.grid
         # the fill and drain read from each time's median apart, as before 2026-11-29 (noisier)
         of_medians = bubbles(per_rank[:, :5], pp, self.m, self.v)["bubble_fill_drain"]
+        per_step = self._per_step(kept, int(per_rank[:, 7].min()))  # as many steps as every rank kept
         return {"grid": {"dp": dp, "tp": tp, "pp": pp}, "schedule": self.schedule, "microbatches": self.m,
                 "virtual_stages": self.v, "partition": [list(b) for b in self.bounds],
-                **bubbles(per_rank[:, :5], pp, self.m, self.v, self._per_step(history)),
+                **bubbles(per_rank[:, :5], pp, self.m, self.v, per_step),
                 "bubble_fill_drain_of_medians": of_medians,
                 "param_bytes_per_rank": [int(b) for b in per_rank[:, 5].tolist()],
                 "activation_peak_bytes_per_rank": [int(b) for b in per_rank[:, 6].tolist()]}
