@@ -119,7 +119,7 @@ def test_a_run_whose_profile_overstates_this_machine_is_told_to_calibrate_again(
     assert done.returncode == 0, done.stderr[-2000:]
     err = " ".join(done.stderr.split())
     assert "measures the machine again at the run's end to tell which" in err  # the warning, mid-run
-    assert "off: measuring this machine's rates again" in err
+    assert "prediction: measuring this machine's rates again" in err
     assert "compute: this machine now computes at" in err and "slower than when it was calibrated" in err
     assert f"delete {cached_path(1)}" in err
     (summary,) = tmp_path.glob("*/summary.json")

@@ -262,7 +262,7 @@ def print_contract(contract: dict | None) -> None:
         reason = predicted.get("skipped") or predicted.get("error")
         Console(stderr=True).print(f"paraloom: no prediction: {reason}", highlight=False)
         return
-    from paraloom.perfmodel.contract import CALIBRATED, TERMS, spread_by_calibrated, spread_miss, stale_hint
+    from paraloom.perfmodel.contract import CALIBRATED, TERMS, spread_calibrated, spread_miss, stale_hint
 
     off = set(contract.get("off", []))
     table = Table(title=f"predicted ({predicted['hardware']}) and measured, ms per step")
@@ -279,13 +279,6 @@ def print_contract(contract: dict | None) -> None:
     def say(line: str) -> None:
         err.print(f"paraloom: {line}", highlight=False)
 
-    checked = {}
-    if off and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
-        from paraloom.perfmodel.recheck import machine_check
-
-        checked = machine_check(predicted, measured, off, progress=say)
-        for line in checked.values():
-            say(line)
     passing = [term for term in contract.get("warned", []) if term not in off]
     if passing:  # off in the medians at the time of the warning, not in the whole run's
         say(f"{', '.join(passing)}: warned during the run, within tolerance over the whole run (the "
@@ -293,7 +286,14 @@ def print_contract(contract: dict | None) -> None:
     spread = spread_miss(contract)
     if spread:
         say(spread)
-    hint, named = stale_hint(predicted), off & set(CALIBRATED) - set(checked)
-    if hint and (named or spread_by_calibrated(contract)) and \
-            not any(predicted["hardware_file"] in line for line in checked.values()):
+    missed = off | set(spread_calibrated(contract))  # off alone, or behind the step's miss together
+    checked = {}
+    if missed and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
+        from paraloom.perfmodel.recheck import machine_check
+
+        checked = machine_check(predicted, measured, missed, progress=say)
+        for line in checked.values():
+            say(line)
+    hint, named = stale_hint(predicted), missed & set(CALIBRATED) - set(checked)
+    if hint and named and not any(predicted["hardware_file"] in line for line in checked.values()):
         say(hint)  # the profile's age, for terms measured again nowhere (and not said already)

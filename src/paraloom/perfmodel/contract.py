@@ -166,13 +166,18 @@ def spread_miss(contract: dict[str, Any]) -> str:
             f"it by more than {tolerance:.0%} of the predicted step: {shown}")
 
 
-def spread_by_calibrated(contract: dict[str, Any]) -> bool:
-    """Whether a spread miss (`spread_miss`) is mostly the calibrated terms': more than half of the
-    step's miss, in its direction, is theirs (a stale profile's, then, not the data's or Python's)."""
+def spread_calibrated(contract: dict[str, Any]) -> list[str]:
+    """The calibrated terms behind a spread miss (`spread_miss`), where they make more than half of
+    it: those missing the step's way by 5% of its miss or more ([] otherwise: the miss is the data's,
+    Python's, or no spread miss at all). A stale profile, or the model's pricing, may be why."""
+    if not spread_miss(contract):
+        return []
     predicted, measured = contract["predicted"], contract["measured"]
     miss = measured["step"] - predicted["step_seconds"]
-    theirs = sum(measured[t] - predicted["terms"][t] for t in CALIBRATED)
-    return bool(spread_miss(contract)) and theirs * miss > 0 and abs(theirs) > abs(miss) / 2
+    parts = {t: measured[t] - predicted["terms"][t] for t in CALIBRATED}
+    if sum(parts.values()) * miss <= 0 or abs(sum(parts.values())) <= abs(miss) / 2:
+        return []
+    return [t for t, part in parts.items() if part * miss > 0 and abs(part) >= 0.05 * abs(miss)]
 
 
 def warning(term: str, predicted: dict[str, Any], measured: dict[str, float]) -> str:

@@ -34,10 +34,11 @@ UNPRICED = {"compute": ("this model's forward and backward cost", "them",
 def machine_check(predicted: dict[str, Any], measured: dict[str, float], off: set[str], *,
                   measure: Callable[[int], dict[str, float]] | None = None,
                   progress: Callable[[str], None] = lambda _: None) -> dict[str, str]:
-    """Term -> one line, for each of compute and update that was off, where the prediction came from
-    this machine's cached CPU profile (`hardware_file`, `hardware_threads`): the profile's rates
-    measured again on as many threads (`measure`, by default `calibrate.measure_compute`) beside the
-    profile's, and which remedy follows. Empty where there is no such profile or no such term."""
+    """Term -> one line, for each of compute and update in `off` (off, or behind a spread miss),
+    where the prediction came from this machine's cached CPU profile (`hardware_file`,
+    `hardware_threads`): the profile's rates measured again on as many threads (`measure`, by default
+    `calibrate.measure_compute`) beside the profile's, and which remedy follows. Empty where there is
+    no such profile or no such term."""
     path, threads = predicted.get("hardware_file"), predicted.get("hardware_threads")
     terms = [term for term in RECHECKED if term in off]
     if not terms or not path or not threads or not Path(path).is_file():
@@ -55,8 +56,8 @@ def machine_check(predicted: dict[str, Any], measured: dict[str, float], off: se
         terms = [term for term in terms if term != "update"]
     if not terms:
         return {}
-    progress(f"{' and '.join(terms)} {'was' if len(terms) == 1 else 'were'} off: measuring this machine's "
-             "rates again (about a second)")
+    progress(f"{' and '.join(terms)} missed {'its' if len(terms) == 1 else 'their'} prediction: measuring "
+             "this machine's rates again (about a second)")
     profiled = {**{c: hw.achieved_flops("fp32", c) for c in OP_CLASSES}, "bandwidth": hw.device.mem_bandwidth}
     now = measure(threads)
     for attempt in range(1 + CONFIRMS):
