@@ -279,14 +279,14 @@ def print_contract(contract: dict | None) -> None:
     def say(line: str) -> None:
         err.print(f"paraloom: {line}", highlight=False)
 
-    passing = [term for term in contract.get("warned", []) if term not in off]
+    missed = off | set(spread_calibrated(contract))  # off alone, or behind the step's miss together
+    passing = [term for term in contract.get("warned", []) if term not in missed]
     if passing:  # off in the medians at the time of the warning, not in the whole run's
         say(f"{', '.join(passing)}: warned during the run, within tolerance over the whole run (the "
             "table): a passing slowdown, not the profile's")
     spread = spread_miss(contract)
     if spread:
         say(spread)
-    missed = off | set(spread_calibrated(contract))  # off alone, or behind the step's miss together
     checked = {}
     if missed and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
         from paraloom.perfmodel.recheck import machine_check
