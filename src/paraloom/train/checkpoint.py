@@ -208,10 +208,6 @@ def manifest_of(path: Path) -> dict[str, Any]:
     return json.loads((path / MANIFEST).read_text())
 
 
-def saved_world_size(path: Path) -> int:
-    return int(manifest_of(path)["world_size"])
-
-
 def agree_on_checkpoint(run_dir: Path | None, group: dist.ProcessGroup | None = None,
                         grid: list[int] | None = None) -> tuple[int, int, bool] | None:
     """Collective: rank 0 picks the checkpoint to resume from; every rank gets (its step, the number
