@@ -33,10 +33,10 @@ def train_commands(text: str) -> list[str]:
 
 
 def parse(line: str) -> tuple[str | None, list[str], int | None, int]:
-    """(config file, overrides as the CLI adds them, the world, how many nodes) of one command."""
+    """(config file, overrides as the CLI adds them, workers per node, nodes) of one command."""
     words = shlex.split(line)
     start = words.index("train") + 1 if "train" in words else words.index("paraloom.worker") + 1
-    torchrun = dict(zip(words[:start:1], words[1:start], strict=False))
+    torchrun = dict(zip(words[:start], words[1:start], strict=False))  # each word and the one after it
     nodes = int(torchrun.get("--nnodes", "1").split(":")[0])
     per_node = int(torchrun["--nproc-per-node"]) if "--nproc-per-node" in torchrun else None
     config, sets, args = None, [], words[start:]
