@@ -148,7 +148,8 @@ def loopback_refinement(out: Path, rate: str, console: Console) -> list[Path]:
 def measure(quick: bool, console: Console) -> dict[str, Any]:
     """Calibrate per link rate, then run every configuration; predictions are added by `predict`."""
     from paraloom.cluster import parse_rate
-    from paraloom.perfmodel.calibrate import calibrate, measured_step_seconds, refine
+    from paraloom.perfmodel.calibrate import calibrate, refine
+    from paraloom.perfmodel.finished_runs import measured_step_seconds
 
     configs = configurations(quick)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "hardware": {},

@@ -11,9 +11,10 @@ import yaml
 from paraloom.cli import main
 from paraloom.config import Config
 from paraloom.errors import UserError
-from paraloom.perfmodel.calibrate import build_profile, measure_compute, measured_step_seconds, refine
+from paraloom.perfmodel.calibrate import build_profile, measure_compute, refine
 from paraloom.perfmodel.cpu_host import measure_host
 from paraloom.perfmodel.device_cost import DISPATCH, without_dispatch
+from paraloom.perfmodel.finished_runs import measured_step_seconds, unusable
 from paraloom.perfmodel.from_config import predictable
 from paraloom.perfmodel.hardware import Hardware, Link, load_hardware
 from paraloom.perfmodel.profile import profile_model
@@ -258,6 +259,54 @@ def test_a_runs_step_is_the_median_logged_interval_after_the_first(tmp_path):
 def test_refine_needs_finished_runs(tmp_path):
     with pytest.raises(UserError, match="not a finished run directory"):
         refine(load_hardware("a100-hdr"), [tmp_path])
+
+
+def _summary(run, **fields):
+    summary = json.loads((run / "summary.json").read_text()) | fields
+    (run / "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+def test_calibrate_from_history_fits_the_runs_it_can_and_passes_over_the_rest(tmp_path, monkeypatch, capsys):
+    """History lists a single-worker run, a data-parallel and a parameter-server one (each kind
+    printed as what it gave), a run whose model factory no longer imports, one that injected a
+    slowdown, and a parameter-server run that served no step: refined from the first
+    three, one line counts the other three, and history of those alone is refused in one line."""
+    from paraloom.perfmodel import history
+
+    monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))
+    mlp, ps = {"model": {"name": "mlp"}}, {"nproc": 2, "mode": "ps"}
+    stats = {"steps": 100, "workers": 2, "servers": 1, "nodes": 1, "comm_bytes_per_step": 1e7,
+             "servers_stats": [{"cpu_seconds": 3.4, "slices": 17}]}
+    good = [_fake_run(tmp_path, "single", mlp | {"parallel": {"nproc": 1}}, 0.02),
+            _dp_run(tmp_path, "dp", mlp | {"parallel": {"nproc": 2}}, 0.03),
+            _fake_run(tmp_path, "ps", mlp | {"parallel": ps}, 0.04)]
+    _summary(good[2], **stats)
+    bad = [_fake_run(tmp_path, "gone", {"model": {"name": "no_such_package:make_model"}}, 0.02),
+           _fake_run(tmp_path, "slowed", mlp | {"run": {"inject": "slow:rank=0,factor=2"}}, 0.05),
+           _fake_run(tmp_path, "short", mlp | {"parallel": ps}, 0.04)]
+    _summary(bad[2], **stats | {"steps": 0})
+    for run in bad[:1] + good + bad[1:]:
+        history.record(run, {}, {})
+    hw = load_hardware("v100-10gbe")
+    assert [unusable(run, hw) for run in good] == [None] * 3
+    assert "run.inject=slow:rank=0,factor=2" in unusable(bad[1], hw)
+    assert "served no step" in unusable(bad[2], hw)
+    idle = _fake_run(tmp_path, "idle", mlp, 0.02)
+    _summary(idle, step_seconds=None, samples_per_second=0.0)
+    assert "measured no throughput" in unusable(idle, hw)
+    out = tmp_path / "refined.yaml"
+    assert main(["calibrate", "--from", "history", "--hardware", "v100-10gbe", "--out", str(out)]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--from history: passed over 3 of 6 runs (the first, " in said and "cannot import" in said
+    assert f"{good[0]}: measured 20.0 ms/step, predicted before" in said
+    assert f"{good[1]}: measured 30.0 ms/step, 4.0 ms of it communicating" in said
+    assert f"{good[2]}: a server's CPU " in said and "sync_overhead_s" in load_hardware(str(out)).constants
+    (tmp_path / "history.jsonl").unlink()
+    for run in bad:
+        history.record(run, {}, {})
+    assert main(["calibrate", "--from", "history", "--hardware", "v100-10gbe", "--out", str(out)]) == 2
+    assert "none of its 3 runs can be fitted to" in capsys.readouterr().err
 
 
 def test_calibrate_cli_writes_a_profile_plan_can_use(tmp_path, capsys):

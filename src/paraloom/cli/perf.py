@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -121,6 +122,7 @@ def calibrate(
 ) -> None:
     """Measure this machine into a hardware profile for `paraloom plan`, or refine one from runs."""
     from paraloom.perfmodel import calibrate as cal
+    from paraloom.perfmodel.finished_runs import unusable
     from paraloom.perfmodel.hardware import load_hardware
 
     if not out.parent.is_dir():
@@ -135,10 +137,11 @@ def calibrate(
     if from_:
         if hardware is None:
             raise UserError("--from refines a profile: name it with --hardware FILE")
-        hw, points = cal.refine(load_hardware(hardware), _run_dirs(from_))
+        base = load_hardware(hardware)
+        runs = _run_dirs(from_, unusable=lambda run: unusable(run, base), say=console.print)
+        hw, points = cal.refine(base, runs)
         for p in points:
-            console.print(f"{p['run']}: measured {p['measured_s'] * 1e3:.1f} ms/step, "
-                          f"predicted before {p['predicted_s'] * 1e3:.1f} ms")
+            console.print(_point_line(p))
     else:
         if threads < 1 or devices_per_node < 1:
             raise UserError("--threads and --devices-per-node must be at least 1")
@@ -161,6 +164,20 @@ def calibrate(
                   + _dispatch_summary(hw.constants) + f" -> {out}")
 
 
+def _point_line(point: dict[str, Any]) -> str:
+    """What refining took from one run (`calibrate.refine`'s point of any kind), in one line."""
+    if "server_s_per_message" in point:  # a parameter-server run
+        update = point.get("server_s_per_update")
+        return (f"{point['run']}: a server's CPU {point['server_s_per_message'] * 1e6:.0f} us a message"
+                + ("" if update is None else f", {update * 1e6:.0f} us an update"))
+    line = f"{point['run']}: measured {point['measured_s'] * 1e3:.1f} ms/step"
+    if "sync_overhead_s" in point:  # a data-parallel run
+        return (f"{line}, {point['comm_s'] * 1e3:.1f} ms of it communicating; the rest of the step "
+                f"predicted {point['rest_s'] * 1e3:.1f} ms: synchronizing costs "
+                f"{point['sync_overhead_s'] * 1e3:.2f} ms per core's share")
+    return f"{line}, predicted before {point['predicted_s'] * 1e3:.1f} ms"
+
+
 def _dispatch_summary(constants: dict[str, float]) -> str:
     """A CPU's dispatch per op, forward and backward, the median over op classes ("" where not measured)."""
     phases = {phase: [v for k, v in constants.items() if k.startswith("dispatch_s.") and k.endswith(phase)]
@@ -171,8 +188,11 @@ def _dispatch_summary(constants: dict[str, float]) -> str:
     return f", dispatch {fwd:.0f} us an op forward, {bwd:.0f} us backward"
 
 
-def _run_dirs(given: list[Path]) -> list[Path]:
-    """--from's run directories; the word `history` stands for every finished run the history lists."""
+def _run_dirs(given: list[Path], *, unusable: Callable[[Path], str | None] = lambda run: None,
+              say: Callable[[str], None] = print) -> list[Path]:
+    """--from's run directories; the word `history` stands for every finished run the history lists
+    that can be fitted to (`unusable` gives why not: the runs passed over are counted in one line,
+    the first named with its reason). A run directory given by name is always kept."""
     from paraloom.perfmodel import history
 
     out = []
@@ -183,7 +203,15 @@ def _run_dirs(given: list[Path]) -> list[Path]:
         found = history.finished_run_dirs(history.read())
         if not found:
             raise UserError(f"--from history: {history.history_path()} lists no run directory still on disk")
-        out += found
+        reasons = {run: unusable(run) for run in found}
+        passed = [(run, why) for run, why in reasons.items() if why is not None]
+        if len(passed) == len(found):
+            raise UserError(f"--from history: none of its {len(found)} runs can be fitted to; the first, "
+                            f"{passed[0][0]}: {passed[0][1]}")
+        if passed:
+            say(f"--from history: passed over {len(passed)} of {len(found)} runs (the first, "
+                f"{passed[0][0]}: {passed[0][1]})")
+        out += [run for run in found if reasons[run] is None]
     return out
 
 

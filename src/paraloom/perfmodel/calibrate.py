@@ -11,7 +11,6 @@ the white-box formulas, constants from measurement).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
@@ -33,6 +32,7 @@ from paraloom.perfmodel.cpu_cost import (
 )
 from paraloom.perfmodel.cpu_host import measure_host
 from paraloom.perfmodel.device_cost import without_dispatch
+from paraloom.perfmodel.finished_runs import finished, measured_and_predicted
 from paraloom.perfmodel.hardware import Device, Hardware, Link
 from paraloom.perfmodel.microbench import codec_rates, compute_rates
 from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
@@ -41,7 +41,6 @@ from paraloom.perfmodel.strategies import (
     PIECE_OVERHEAD,
     PRIORITY_OVERHEAD,
     SYNC_OVERHEAD,
-    estimate,
     host_slowdown,
 )
 
@@ -232,17 +231,17 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
       from one size, its residual over its pieces alone. Fitted after `sync_overhead_s`, which
       comes from the other data-parallel runs only.
     """
-    summaries = {run: _finished(run)[0] for run in run_dirs}
+    summaries = {run: finished(run)[0] for run in run_dirs}
     ps_runs = [run for run in run_dirs if "servers_stats" in summaries[run]]
     points, dp_runs = [], []
     for run in run_dirs:
         if run in ps_runs:
             continue
-        measured, pred = _measured_and_predicted(run, hw)
+        measured, pred = measured_and_predicted(run, hw)
         if pred.plan.dp > 1:
             dp_runs.append(run)
             continue
-        _, arithmetic = _measured_and_predicted(run, without_dispatch(hw))  # what efficiency scales
+        _, arithmetic = measured_and_predicted(run, without_dispatch(hw))  # what efficiency scales
         points.append({"run": str(run), "measured_s": measured, "predicted_s": pred.step_s,
                        "compute_s": arithmetic.breakdown["compute"]})
     refined = _fit_compute(hw, points) if points else hw
@@ -255,7 +254,7 @@ def refine(hw: Hardware, run_dirs: list[Path]) -> tuple[Hardware, list[dict[str,
                   if any(name in m for m in per_message)}
         refined = replace(refined, constants={**refined.constants,
                                               **{k: max(0.0, v) for k, v in fitted.items()}})
-    priority = [run for run in dp_runs if _finished(run)[1].comm.scheduler == "priority"]
+    priority = [run for run in dp_runs if finished(run)[1].comm.scheduler == "priority"]
     plain = [run for run in dp_runs if run not in priority]
     if plain:
         residuals = [sync_residual(run, summaries[run], refined) for run in plain]
@@ -278,8 +277,8 @@ def piece_residual(run: Path, hw: Hardware) -> dict[str, float]:
     """A priority run's step past the model's without the scheduler's own costs, and the units
     `piece_overhead_s` is charged in there (its pieces: two predictions 1 ms apart)."""
     base = replace(hw, constants={**hw.constants, PIECE_OVERHEAD: 0.0, PRIORITY_OVERHEAD: 0.0})
-    measured, pred = _measured_and_predicted(run, base)
-    _, unit = _measured_and_predicted(run, replace(base, constants={**base.constants, PIECE_OVERHEAD: 1e-3}))
+    measured, pred = measured_and_predicted(run, base)
+    _, unit = measured_and_predicted(run, replace(base, constants={**base.constants, PIECE_OVERHEAD: 1e-3}))
     per_unit = (unit.step_s - pred.step_s) / 1e-3
     if per_unit <= 0:
         raise UserError(f"{str(run)!r}: its plan sends no priority pieces the model can charge")
@@ -306,7 +305,7 @@ def sync_residual(run: Path, summary: dict[str, Any], hw: Hardware) -> dict[str,
     place of the predicted: the ranks waiting for the slowest at the step's synchronization, the
     engine's per-step work, the processes' contention for the host. Per core's share of the host
     (`strategies.host_slowdown`), as the overhead it adds to."""
-    measured, pred = _measured_and_predicted(run, hw)
+    measured, pred = measured_and_predicted(run, hw)
     rest = pred.step_s - pred.breakdown["dp_comm_exposed"] - pred.breakdown.get("sync", 0.0)
     slow = host_slowdown(hw, pred.plan)
     residual = measured - summary["comm_seconds_per_step"] - rest
@@ -328,44 +327,6 @@ def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
     device = replace(hw.device, efficiency=efficiency, peak_flops=peak)
     overhead = hw.constants.get("step_overhead_s", 0.0) + c
     return replace(hw, device=device, constants={**hw.constants, "step_overhead_s": overhead})
-
-
-def measured_step_seconds(run: Path) -> float:
-    """A finished run's steady-state seconds per step: the median step (tensor and pipeline runs),
-    all workers' throughput (parameter server), or the median of the logged intervals after the
-    first (data parallel: the first holds the warm-up)."""
-    summary, cfg = _finished(run)
-    if "grid" in summary:
-        return summary["step_seconds"]
-    if "servers" in summary:
-        return cfg.data.batch_size / summary["samples_per_second"]
-    metrics = run / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    rows = [json.loads(line) for line in lines if line]
-    rates = [row["samples_per_s"] for row in rows[1:] or rows]
-    if not rates:
-        return summary.get("step_seconds") or cfg.data.batch_size / summary["samples_per_second"]
-    return cfg.data.batch_size / statistics.median(rates)
-
-
-def _finished(run: Path):
-    from paraloom.config import load_config
-
-    summary_path, config_path = run / "summary.json", run / "config.yaml"
-    if not summary_path.is_file() or not config_path.is_file():
-        raise UserError(f"{str(run)!r} is not a finished run directory (summary.json and config.yaml)")
-    return json.loads(summary_path.read_text()), load_config(str(config_path), [])
-
-
-def _measured_and_predicted(run: Path, hw: Hardware):
-    from paraloom.perfmodel.from_config import predictable
-    from paraloom.perfmodel.profile import profile_model
-
-    summary, cfg = _finished(run)
-    world = int(summary.get("world_size") or cfg.parallel.nproc)
-    what = predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0))
-    profile = profile_model(what.spec, recompute=what.recompute, data=what.data)
-    return measured_step_seconds(run), estimate(profile, hw, what.plan, what.global_batch, what.options)
 
 
 def calibrate_once(threads: int, progress: Callable[[str], None]) -> Path | None:
