@@ -14,7 +14,7 @@ from paraloom.cli import main
 from paraloom.config import load_config
 from paraloom.errors import UserError
 from paraloom.perfmodel.hardware import load_hardware
-from paraloom.perfmodel.planner import grids, parse_nodes, parse_plan, rank, tp_sizes, variants
+from paraloom.perfmodel.planner import grids, is_exact, parse_nodes, parse_plan, rank, tp_sizes, variants
 from paraloom.perfmodel.profile import profile_model
 from paraloom.perfmodel.strategies import Plan, estimate
 
@@ -49,7 +49,8 @@ def test_plans_that_do_not_fit_are_dropped():
     assert all(e.plan.tp * e.plan.pp >= 32 for e in ranked.estimates)
 
 
-def test_plan_175b_on_64_to_1024_h100_answers_in_under_30_s(tmp_path, capsys):
+def test_plan_175b_on_64_to_1024_h100_answers_in_under_30_s(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # a table's rows on one line each
     out = tmp_path / "plan.json"
     start = time.perf_counter()
     code = main(["plan", "--model", GPT_175B, "--cluster", "h100-ib-ndr", "--nodes", "8..128",
@@ -65,7 +66,14 @@ def test_plan_175b_on_64_to_1024_h100_answers_in_under_30_s(tmp_path, capsys):
         for p in entry["plans"]:
             assert {"step_s", "samples_per_s", "memory_bytes", "label"} <= set(p)
     assert (tmp_path / "plan.png").stat().st_size > 10_000
-    assert "recommended:" in capsys.readouterr().out
+    said = " ".join(capsys.readouterr().out.split())
+    assert "recommended:" in said and "the best plan at each node count" in said
+    for entry in report["by_nodes"]:  # the curve: each count's best exact plan and its efficiency, a row
+        best = next(p for p in entry["plans"] if is_exact(Plan(**p["plan"])))
+        figures = (f"{best['step_s'] * 1e3:,.1f}", f"{best['samples_per_s']:,.1f}",
+                   f"{entry['efficiency']:.2f}")
+        row = " │ ".join((best["label"], *figures))
+        assert row in said, row
 
 
 def test_one_given_plan_is_predicted(tmp_path):

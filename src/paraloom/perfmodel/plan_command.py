@@ -39,6 +39,20 @@ def _table(title: str) -> Table:
     return table
 
 
+def _scaling_table(results: list[Ranked], eff: list[float], model: str, hardware: str, batch: int) -> Table:
+    """One row a node count: its best plan, the efficiency `recommend` gave it (against the smallest
+    count's throughput per node), or that no plan fits there."""
+    base = next(r.nodes for r in results if r.estimates)
+    table = _table(f"{model} on {hardware}, global batch {batch}: the best plan at each node count "
+                   f"(efficiency: samples/s per node, against the same at {base} node(s))")
+    for r, e in zip(results, eff, strict=True):
+        if r.estimates:
+            _row(table, r.best, r.nodes, e)
+        else:
+            table.add_row(f"none of {r.dropped} fits", "-", "-", "-", "-", "memory", "", str(r.nodes))
+    return table
+
+
 def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: str = "fp32",
              recompute: str = "none", optimizer: str = "adam", plan: str | None = None,
              json_out: Path | None = None, emit: Path | None = None, plot: Path | None = None,
@@ -79,6 +93,8 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
                 results.append(rank(profile, hw, n, global_batch, options=options, exact_only=exact_only))
                 progress.advance(task)
         best, eff = recommend(results, floor)
+        if len(counts) > 1:  # the curve first: each node count's best plan
+            console.print(_scaling_table(results, eff, model, hw.name, global_batch))
         for r, e in zip(results, eff, strict=True):
             table = _table(f"{model} on {r.nodes} x {hw.name} ({r.nodes * hw.devices_per_node} devices), "
                            f"global batch {global_batch}: {len(r.estimates)} plans fit, {r.dropped} do not")
