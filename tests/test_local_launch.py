@@ -90,7 +90,7 @@ def test_a_first_use_calibration_runs_before_the_forkserver_starts(monkeypatch, 
     calls = []
     monkeypatch.setattr(prestart, "start", lambda: calls.append("start"))
     monkeypatch.setattr(prestart, "gpu_visible", lambda: False)
-    monkeypatch.setattr(cli_train, "_calibrate_once", lambda cfg: calls.append("calibrate"))
+    monkeypatch.setattr(cli_train, "_calibrate_once", lambda cfg, emulated=None: calls.append("calibrate"))
     monkeypatch.setattr(cli_train, "_train_on", lambda *a, **k: (_ for _ in ()).throw(SystemExit(0)))
     monkeypatch.delenv("PARALOOM_HARDWARE", raising=False)
     monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))  # nothing cached: the run calibrates first

@@ -9,7 +9,9 @@ from pathlib import Path
 from paraloom.config import Config, dump_config
 from paraloom.errors import UserError
 
-PREPARED = {"config.yaml", "nodes"}  # what a launcher writes before the workers start
+# what a launcher writes before the workers start: the config, node logs, the run's prediction of
+# itself (perfmodel/contract.py: made by the launcher for a run on an emulated cluster)
+PREPARED = {"config.yaml", "nodes", "prediction.json"}
 
 
 def default_name(cfg: Config, world: int) -> str:
@@ -29,7 +31,7 @@ def default_name(cfg: Config, world: int) -> str:
 def new_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = None) -> Path:
     """Create the run directory and write `config.yaml` (with the final run name) into it.
 
-    A directory that a launcher prepared (holding only config.yaml and node logs) is taken as it is.
+    A directory that a launcher prepared (holding only what PREPARED names) is taken as it is.
     """
     if path is None:
         base = Path(cfg.run.out_dir)

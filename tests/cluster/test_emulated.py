@@ -141,7 +141,18 @@ def test_without_root_it_is_one_line_and_exit_2():
         "run as root"]
 
 
-def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path):
+def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path, monkeypatch):
+    """Also: the run is priced from this machine's profile for 1 Gbit/s emulated links (cached here
+    beforehand, so nothing is calibrated), never from loopback's."""
+    from paraloom.config_world import threads_per_worker
+    from paraloom.perfmodel.hardware import load_hardware
+    from paraloom.perfmodel.machine_profile import cached_path
+
+    monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PARALOOM_HARDWARE")
+    profile = cached_path(threads_per_worker(1), link="1gbit")
+    profile.parent.mkdir()
+    profile.write_text(load_hardware("v100-10gbe").to_yaml())
     before = set(_ours("plm-"))
     proc = subprocess.run(
         [sys.executable, "-m", "paraloom", "train", "--emulate", "2x1gbit", "--set", "optim.max_steps=4",
@@ -150,7 +161,11 @@ def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     summary = json.loads((tmp_path / "emu" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["comm_bytes_per_step"] > 0
+    assert summary["restarts"] == 0 and "paraloom: error" not in proc.stderr  # a prediction is no run
     assert set(_ours("plm-")) == before
+    predicted = json.loads((tmp_path / "emu" / "prediction.json").read_text())
+    assert predicted["hardware"] == "v100-10gbe" and predicted["hardware_chosen"] == str(profile)
+    assert predicted["plan"].startswith("dp2") and "calibrating" not in proc.stderr
 
 
 def test_parameter_server_traffic_crosses_the_shaped_links(tmp_path):

@@ -84,7 +84,7 @@ def test_train_calibrates_the_device_its_workers_train_on(cache, monkeypatch, ca
         raise RuntimeError("paraloom: error: --device 'cuda': no CUDA device is visible")
 
     monkeypatch.setattr(machine_profile, "calibrate_gpu_once", gpu)
-    monkeypatch.setattr(calibrate, "calibrate_once", lambda threads, progress: calls.append("cpu"))
+    monkeypatch.setattr(calibrate, "calibrate_once", lambda *a, **k: calls.append("cpu"))
     cli_train._calibrate_once(load_config(None, ["run.device=cpu"]))
     assert calls == ["cpu"]
     calls.clear()
@@ -98,6 +98,48 @@ def test_train_calibrates_the_device_its_workers_train_on(cache, monkeypatch, ca
     assert calls == ["cpu"]
     cli_train._calibrate_once(load_config(None, ["run.device=cuda", "run.hardware=none"]))
     assert calls == ["cpu"]  # nothing to calibrate
+
+
+def test_a_run_on_an_emulated_cluster_is_priced_with_links_measured_across_one(cache, tmp_path, monkeypatch):
+    """The launcher calibrates once per link rate, across the cluster it is given (here a stand-in),
+    and prices the run from that profile before launch, also when it resizes; loopback's stays."""
+    from types import SimpleNamespace
+
+    from paraloom.config_world import threads_per_worker
+    from paraloom.perfmodel.contract import replan
+    from paraloom.perfmodel.hardware import Link
+
+    cluster = SimpleNamespace(nodes=2, spec=SimpleNamespace(rate="1gbit"))
+    fast, slow = Link("loopback", 1e9, 1e-4), Link("emulated 1gbit", 1.2e8, 2e-4)
+    rates = {"matmul": 5e10, "conv": 2e10, "attention": 2e10, "other": 1e9, "bandwidth": 1e10}
+    calls = []
+
+    def measure(*, cluster=None, threads=1, name="", progress=lambda _: None):
+        calls.append(cluster)
+        return calibrate.build_profile(rates, fast, slow if cluster else fast, name=name, devices_per_node=1,
+                                       host_cores=2), {}
+
+    monkeypatch.setattr(calibrate, "calibrate", measure)
+    said, cfg = [], load_config(None, SMALL)
+    threads = threads_per_worker(cfg.parallel.nproc)  # what the launcher measures with
+    path = calibrate.calibrate_once(threads, said.append, cluster=cluster)
+    assert path == cached_path(threads, link="1gbit") and path.name.endswith(f"-{threads}t-1gbit.yaml")
+    assert calls == [cluster]
+    assert "across an emulated 1gbit cluster" in said[0]
+    assert cli_train._calibrate_once(cfg, cluster) == path  # cached now
+    assert calibrate.calibrate_once(threads, said.append) == cached_path(threads) and calls == [cluster, None]
+    terms = {}
+    for name, kwargs in (("loopback", {}), ("cluster", {"cached": path})):
+        (tmp_path / name).mkdir()
+        predicted = load_or_predict(tmp_path / name, cfg, 2, threads, "cpu", **kwargs)
+        terms[name] = predicted["terms"]["communication"]
+    assert predicted["hardware"].endswith(f"(emulated 1gbit, {threads} threads)")
+    assert predicted["hardware_file"] == predicted["hardware_chosen"] == str(path)
+    assert predicted["hardware_threads"] == threads  # what the run's end measures again with
+    assert terms["cluster"] > 2 * terms["loopback"]  # 1 Gbit/s against 8 Gbit/s
+    replan(tmp_path / "cluster", cfg, 2, 3, threads)  # a node joined: still that cluster's links
+    again = json.loads((tmp_path / "cluster" / "prediction.json").read_text())
+    assert again["hardware"] == predicted["hardware"] and again["hardware_chosen"] == str(path)
 
 
 def test_a_run_whose_profile_overstates_this_machine_is_told_to_calibrate_again(cache, tmp_path):

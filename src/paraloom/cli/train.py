@@ -97,19 +97,22 @@ def train(
             from paraloom.preflight import preflight
 
             preflight(cfg, world)
-        _calibrate_once(cfg)
+        emulated = nodes if hasattr(nodes, "spec") else None  # an emulated cluster, not local nodes
+        profile = _calibrate_once(cfg, emulated)
         if forks and calibrates:
             prestart.start()  # only now: the first-use calibration measured a machine at rest
-        summary, run_dir = _train_on(cfg, nodes, world, started_at, resume)
+        summary, run_dir = _train_on(cfg, nodes, world, started_at, resume,
+                                     profile=profile if emulated else None)
     print_summary(summary, run_dir)
     print_contract(summary.get("contract"))
 
 
-def _calibrate_once(cfg) -> None:
-    """`run.hardware=auto`: the profile the run predicts itself from, measured on first use and cached:
-    the GPU's where the run goes to GPUs, else the CPU's."""
+def _calibrate_once(cfg, emulated=None) -> Path | None:
+    """`run.hardware=auto`: the profile the run predicts itself from, measured on first use and cached
+    (its path, None where there is none): the GPU's where the run goes to GPUs, else the CPU's; on
+    an emulated cluster, the CPU's with its links measured across one of that rate."""
     if cfg.run.hardware != "auto":
-        return
+        return None
     from paraloom.config_world import threads_per_worker
     from paraloom.perfmodel.calibrate import calibrate_once
     from paraloom.perfmodel.machine_profile import calibrate_gpu_once
@@ -121,12 +124,12 @@ def _calibrate_once(cfg) -> None:
 
     try:
         if _on_gpus(cfg):
-            calibrate_gpu_once(progress=say)
-        else:
-            calibrate_once(threads_per_worker(cfg.parallel.nproc), progress=say)
+            return calibrate_gpu_once(progress=say)
+        return calibrate_once(threads_per_worker(cfg.parallel.nproc), progress=say, cluster=emulated)
     except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
         say(f"note: calibrating this machine failed ({type(exc).__name__}: {exc}); the run will not "
             "predict itself")
+        return None
 
 
 def _check_device(cfg) -> None:
@@ -198,13 +201,21 @@ def _resumable(run_dir: Path) -> Path:
     return run_dir
 
 
-def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None):
+def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None, *,
+              profile: Path | None = None):
+    """Launch the run, here or on `nodes`; `profile`: the cached profile its prediction is made from
+    here, before launch, in place of the one its rank 0 would read (an emulated cluster's links)."""
     from paraloom.rundir import new_run_dir
 
     run_dir = resume if resume is not None else new_run_dir(cfg, world=world)
     where = f"on {nodes.describe()}" if nodes else "on this machine"
     Console(stderr=True).print(f"paraloom: {world} workers {where}, {cfg.model.name} on {cfg.data.name}, "
                                f"run directory {run_dir}", highlight=False, soft_wrap=True)
+    if profile is not None:  # rank 0 reads it back from the run directory
+        from paraloom.config_world import threads_per_worker
+        from paraloom.perfmodel.contract import load_or_predict
+
+        load_or_predict(run_dir, cfg, world, threads_per_worker(cfg.parallel.nproc), cached=profile)
     if nodes is None:
         from paraloom.launch import launch_local
 

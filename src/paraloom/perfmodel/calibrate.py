@@ -329,16 +329,21 @@ def _fit_compute(hw: Hardware, points: list[dict[str, float]]) -> Hardware:
     return replace(hw, device=device, constants={**hw.constants, "step_overhead_s": overhead})
 
 
-def calibrate_once(threads: int, progress: Callable[[str], None]) -> Path | None:
-    """This machine's cached profile, measured now (on loopback) if there is none yet; None where
-    `$PARALOOM_HARDWARE` names the profile instead."""
-    path = machine_profile.cached_path(threads)
+def calibrate_once(threads: int, progress: Callable[[str], None], cluster=None) -> Path | None:
+    """This machine's cached profile, measured now if there is none yet: on loopback, or with
+    `cluster` (an emulated one) its inter-node link across that cluster, cached per link rate;
+    None where `$PARALOOM_HARDWARE` names the profile instead."""
+    link = cluster.spec.rate if cluster is not None else None
+    path = machine_profile.cached_path(threads, link=link)
     if os.environ.get("PARALOOM_HARDWARE"):
         return None
     if path.is_file():
         return path
-    progress(f"calibrating this machine once (about 20 s), cached in {path}")
-    hw, _ = calibrate(threads=threads, name=f"{socket.gethostname()} (loopback, {threads} threads)",
+    where = f", with its links across an emulated {link} cluster (a minute)" if link else " (about 20 s)"
+    progress(f"calibrating this machine once{where}, cached in {path}")
+    links = f"emulated {link}" if link else "loopback"
+    hw, _ = calibrate(cluster=cluster, threads=threads,
+                      name=f"{socket.gethostname()} ({links}, {threads} threads)",
                       progress=lambda what: progress(f"  measuring {what}"))
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(f".tmp{os.getpid()}")

@@ -232,12 +232,16 @@ def report(predicted: dict[str, Any] | None, per_rank: list[dict[str, float] | N
 PREDICTION = "prediction.json"
 
 
-def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu") -> dict[str, Any]:
+def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu", *,
+                    cached: Path | None = None) -> dict[str, Any]:
     """Rank 0's prediction of the run in `run_dir` on `device` ("cpu" or "cuda"): made before its
     first step and written to prediction.json, or read back from there on a restart. Never stops
-    the run: a model or a profile it cannot price gives {"error": ...} and one line on stderr."""
+    the run: a model or a profile it cannot price gives {"error": ...} and one line on stderr.
+    `cached`: the machine's cached profile to price it with in place of the one `run.hardware=auto`
+    reads (the launcher's, for a run on an emulated cluster: its links measured across one)."""
     import json
 
+    from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.machine_profile import cached_source, resolve_hardware
     from paraloom.train.metrics import write_json
 
@@ -245,17 +249,19 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     if path.is_file():
         return json.loads(path.read_text())
     try:
-        hardware = resolve_hardware(cfg.run.hardware, threads, device)
+        hardware = load_hardware(cached) if cached else resolve_hardware(cfg.run.hardware, threads, device)
         if hardware is None:
             predicted = {"skipped": "run.hardware=none" if cfg.run.hardware == "none" else
                          "no hardware profile of this machine yet: `paraloom train` makes one on first use"}
         else:
             predicted = predict(cfg, workers, hardware)
-            source = cached_source(cfg.run.hardware, threads, device)
+            source = cached or cached_source(cfg.run.hardware, threads, device)
             if source is not None:  # named by a warning, should a calibrated term come out off
                 predicted.update(hardware_file=str(source), hardware_measured=_measured_at(source))
                 if device == "cpu":  # what to measure again with (perfmodel/recheck.py)
                     predicted["hardware_threads"] = threads
+            if cached:
+                predicted["hardware_chosen"] = str(cached)
     except Exception as exc:  # noqa: BLE001 (a prediction that fails must not stop the training)
         predicted = {"error": f"{type(exc).__name__}: {exc}"}
     write_json(path, predicted)
@@ -272,13 +278,20 @@ def replan(run_dir, cfg, old_workers: int, new_workers: int, threads: int, *,
     """A resize's predicted step seconds at the old size and at the new one (None where the profile
     cannot price it); prediction.json is made again, for the new size, and the new one printed.
     `old_cfg`: the settings of the old size where they differ (another number of parameter servers)."""
+    import json
+
+    from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.machine_profile import resolve_hardware
 
-    (run_dir / PREDICTION).unlink(missing_ok=True)
+    path = run_dir / PREDICTION
+    # a profile the launcher chose (an emulated cluster's) goes on pricing the run at its new size
+    chosen = json.loads(path.read_text()).get("hardware_chosen") if path.is_file() else None
+    cached = Path(chosen) if chosen and Path(chosen).is_file() else None
+    path.unlink(missing_ok=True)
     try:
-        hardware = resolve_hardware(cfg.run.hardware, threads, device)
+        hardware = load_hardware(cached) if cached else resolve_hardware(cfg.run.hardware, threads, device)
         old = predict(old_cfg or cfg, old_workers, hardware)["step_seconds"] if hardware is not None else None
     except Exception:  # noqa: BLE001 (as load_or_predict: a prediction never stops the run)
         old = None
-    new = load_or_predict(run_dir, cfg, new_workers, threads, device).get("step_seconds")
+    new = load_or_predict(run_dir, cfg, new_workers, threads, device, cached=cached).get("step_seconds")
     return {"predicted_step_seconds_old": old, "predicted_step_seconds_new": new}

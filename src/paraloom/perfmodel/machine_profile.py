@@ -1,12 +1,14 @@
 """The hardware profile a run predicts itself from (`run.hardware`): this machine's, calibrated once
 and cached, or a preset, or a YAML file.
 
-A run on CPUs reads the host's loopback calibration, a run on GPUs the GPU's own
+A run on CPUs reads the host's loopback calibration (on an emulated cluster: one with its links
+measured across a cluster of that rate, made by the launcher), a run on GPUs the GPU's own
 (`paraloom calibrate --device cuda`, made by `paraloom train` on first use): a GPU run priced from
 the CPU's rates would be off by orders of magnitude. The cache lives in `$PARALOOM_CACHE_DIR`,
 else `$XDG_CACHE_HOME/paraloom`, else `~/.cache/paraloom`, one file per host name and threads per
-worker (what a CPU's compute rates depend on) or per host for its GPUs; delete the file to measure
-again. `$PARALOOM_HARDWARE` stands in for "auto" where it is set.
+worker (what a CPU's compute rates depend on), and per link rate for runs on an emulated cluster,
+or per host for its GPUs; delete the file to measure again. `$PARALOOM_HARDWARE` stands in for
+"auto" where it is set.
 A profile measured once goes on describing the machine as it was then: a run that finds a term off
 names the file and its age where it is an hour old or more (`cached_source`, perfmodel/contract.py).
 """
@@ -30,10 +32,11 @@ def cache_dir() -> Path:
     return Path(base) / "paraloom"
 
 
-def cached_path(threads: int, device: str = "cpu") -> Path:
+def cached_path(threads: int, device: str = "cpu", link: str | None = None) -> Path:
     """This host's cached profile for workers of `threads` threads on the CPU, or for its GPUs
-    (`device` "cuda"; the threads do not matter there)."""
-    key = "cuda" if device == "cuda" else f"{threads}t"
+    (`device` "cuda"; the threads do not matter there); `link`: for runs on an emulated cluster of
+    that rate ("1gbit"), whose inter-node link was measured across such a cluster."""
+    key = "cuda" if device == "cuda" else f"{threads}t" + (f"-{link}" if link else "")
     return cache_dir() / f"hardware-{socket.gethostname()}-{key}.yaml"
 
 
