@@ -160,6 +160,22 @@ def test_the_update_is_torchs_measured_step(measured):
     assert bandwidth == pytest.approx(28 * small.n_params / hw.device.mem_bandwidth)
 
 
+@pytest.mark.parametrize(("timed", "optim"), [("sgd", ["optim.name=sgd", "optim.momentum=0"]),
+                                              ("momentum", ["optim.name=sgd", "optim.momentum=0.9"]),
+                                              ("adam", ["optim.name=adamw"])])
+def test_the_optimizers_timed_are_built_as_a_run_builds_them(timed, optim):
+    """The profile's update costs are those of the step a run takes: torch's fused kernel where a run
+    uses it, not the class's default implementation (a per-tensor loop on a CPU, foreach on a GPU)."""
+    from paraloom.config import load_config
+    from paraloom.optim.recipe import Recipe
+    from paraloom.perfmodel.microbench import OPTIMIZERS
+
+    params = [torch.zeros(8, requires_grad=True)]
+    benchmarked = OPTIMIZERS[timed](params)
+    run = Recipe(load_config(None, optim), params, total_steps=1, device=torch.device("cpu")).optimizer
+    assert type(benchmarked) is type(run) and benchmarked.defaults["fused"] == run.defaults["fused"] is True
+
+
 def test_a_rate_counts_finished_calls_not_queued_ones(monkeypatch):
     """On a GPU a call only queues its kernel: the calibration must wait for each call, or it would
     queue thousands of them in its first `min_s` and every sample would then run for minutes."""

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from paraloom.optim.build import make_optimizer
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # per device type: matmul n; conv (batch, channels, side); attention (batch, heads, seq, head dim); elements
 SIZES = {"cpu": {"matmul": 512, "conv": (8, 32, 32), "attention": (4, 4, 128, 32), "elements": 2**23},
@@ -115,16 +117,19 @@ def codec_rates(device: torch.device, bucket_bytes: int, names: list[str] | None
 # per device type: (tensors, elements each) of a parameter set whose step is bound by memory traffic,
 # and of one bound by the work done per tensor (launches, and the host's Python around them)
 OPTIMIZER_SETS = {"cpu": ((4, 2**20), (64, 256)), "cuda": ((4, 2**24), (256, 1024))}
-OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
-              "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
-              "adam": lambda ps: torch.optim.AdamW(ps, lr=1e-3)}
+# built as a run builds them (optim/build.py): torch's fused kernel wherever the class and the
+# parameters allow it, which is not the default implementation's speed (a tenth of its time for Adam
+# on a CPU; one kernel for all tensors on a GPU, where the default is foreach)
+OPTIMIZERS = {"sgd": lambda ps: make_optimizer("sgd", ps, lr=1e-3),
+              "momentum": lambda ps: make_optimizer("sgd", ps, lr=1e-3, momentum=0.9),
+              "adam": lambda ps: make_optimizer("adamw", ps, lr=1e-3)}
 
 
 def optimizer_costs(device: torch.device, *, sets: tuple | None = None,
                     min_s: float = 0.05) -> dict[str, dict[str, float]]:
-    """Seconds per parameter and per parameter tensor of each optimizer's `step()` in torch's default
-    implementation for `device` (foreach kernels on a GPU): timed on a set of few large tensors and
-    one of many small ones, the two costs solved from the pair (neither below zero)."""
+    """Seconds per parameter and per parameter tensor of each optimizer's `step()` on `device`, built
+    as a run builds it (`OPTIMIZERS`): timed on a set of few large tensors and one of many small
+    ones, the two costs solved from the pair (neither below zero)."""
     (big_n, big_size), (small_n, small_size) = sets or OPTIMIZER_SETS[device.type]
     out = {}
     for name, make in OPTIMIZERS.items():
