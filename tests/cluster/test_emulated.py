@@ -37,7 +37,12 @@ def test_links_are_shaped_and_down_removes_everything():
         assert len(_ours(f"plm-{spec.name}-")) == 3  # two nodes and the bridge
         mbps = max(link_throughput(cluster, 4 << 20))
         assert 0.85 * 12.5 <= mbps <= 1.02 * 12.5  # 100 Mbit/s = 12.5 MB/s, less TCP/IP headers
-    assert _ours(f"plm-{spec.name}-") == []
+        peer = "('::ffff:10.98.0.2', 0, 0, 0)"  # as a dual-stack socket sees node 1: found by name
+        named = subprocess.run([*cluster.exec_prefix(0), sys.executable, "-c",
+                                f"import socket; print(socket.getnameinfo({peer}, 0)[0])"],
+                               capture_output=True, text=True, timeout=30)
+        assert named.stdout.strip() == f"plm-{spec.name}-n1", named.stderr
+    assert _ours(f"plm-{spec.name}-") == [] and not list(Path("/etc/netns").glob(f"plm-{spec.name}-*"))
 
 
 def test_an_error_inside_the_cluster_still_brings_it_down():
@@ -162,6 +167,7 @@ def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path, m
     summary = json.loads((tmp_path / "emu" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["comm_bytes_per_step"] > 0
     assert summary["restarts"] == 0 and "paraloom: error" not in proc.stderr  # a prediction is no run
+    assert "hostname of the client socket cannot be retrieved" not in proc.stderr  # peers have names
     assert set(_ours("plm-")) == before
     predicted = json.loads((tmp_path / "emu" / "prediction.json").read_text())
     assert predicted["hardware"] == "v100-10gbe" and predicted["hardware_chosen"] == str(profile)

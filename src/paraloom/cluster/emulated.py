@@ -6,11 +6,15 @@ Each node's link is shaped to the same rate in both directions: a `tbf` qdisc on
 eth0 (egress, node -> bridge) and another on the bridge-side veth (bridge -> node). Every
 cluster lives in its own namespaces, so the host's network is untouched and the clusters'
 address ranges never meet. `netem` is not available on these kernels, so no latency is added.
+Each node's /etc/hosts (`/etc/netns/plm-NAME-nI/hosts`, which `ip netns exec` mounts over it) is the
+host's plus every node's address by name, so that looking a peer's address up finds it (c10d warns
+once a connection where it cannot); the files go with the namespaces.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -18,12 +22,14 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 from paraloom.cluster.spec import ClusterSpec, check_name, format_rate
 from paraloom.errors import UserError
 
 PREFIX = "plm"
 SUBNET = "10.98.0"  # the project's /24, private to each cluster's namespaces
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` mounts the files of NETNS_ETC/NS over /etc's
 _active: dict[str, EmulatedCluster] = {}
 
 
@@ -156,6 +162,18 @@ class EmulatedCluster:
             _ip("-n", ns, "link", "set", "eth0", "up")
             self._shape(ns, "eth0")
             self._shape(br, port)
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        hosts = Path("/etc/hosts")
+        base = hosts.read_text().rstrip("\n") + "\n" if hosts.is_file() else "127.0.0.1 localhost\n"
+        # IPv4, and IPv4-mapped IPv6 as a dual-stack socket (the rendezvous store's) sees its peers
+        names = "".join(f"{prefix}{self.address(i)} {self.namespace(i)}\n"
+                        for prefix in ("", "::ffff:") for i in range(self.nodes))
+        for i in range(self.nodes):
+            folder = NETNS_ETC / self.namespace(i)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(base + names)
 
     def _shape(self, ns: str, dev: str) -> None:
         rate = self.spec.rate_bits
@@ -178,6 +196,10 @@ class EmulatedCluster:
         self.stop_processes()
         for ns in self._own_namespaces():
             _ip("netns", "del", ns, check=False)
+        for folder in NETNS_ETC.glob(f"{PREFIX}-{self.name}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # where no other namespace keeps files there
+            NETNS_ETC.rmdir()
 
     def describe(self) -> str:
         return (f"{self.name}: {self.nodes} nodes, {format_rate(self.spec.rate_bits)} links, "
