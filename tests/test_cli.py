@@ -109,6 +109,22 @@ def test_worker_module_runs_under_torchrun(tmp_path):
     _check_run_dir(tmp_path / "tr", steps=4, log_every=2)
 
 
+def test_a_peer_lost_under_torchrun_is_one_line_not_a_traceback(tmp_path):
+    """Rank 1 hangs at step 3: rank 0 names it in one line (no traceback) and exits 1, a failure
+    torchrun's agent restarts where its --max-restarts allows (here none, its default)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"optim": {"max_steps": 6}, "comm": {"interface": "lo", "timeout_s": 5},
+                                      "run": {"inject": "hang:rank=1,step=3"}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "paraloom.worker", str(config), "--run-dir", str(tmp_path / "hang")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "stopped answering" in line]
+    assert lines and lines[0].startswith("paraloom: rank 0: rank 1 stopped answering"), proc.stderr[-3000:]
+    assert "PeerFailure" not in proc.stderr and "exitcode  : 1" in proc.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard installed")
 def test_tensorboard_without_the_package_is_a_user_error(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from paraloom.config import CommConfig, Config, load_config
 from paraloom.errors import UserError
 from paraloom.rundir import new_run_dir
+from paraloom.train.guards import PeerFailure, TooManyBadSteps
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"paraloom: error: {exc}", file=sys.stderr)
         return 2
+    except (PeerFailure, TooManyBadSteps) as exc:  # said in full: a traceback would add nothing
+        print(f"paraloom: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr)
+        return 1  # a failure the elastic agent restarts from the last checkpoint (run.max_restarts)
     return 0
 
 
