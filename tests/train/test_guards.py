@@ -137,15 +137,20 @@ def test_comm_failures_are_recognised():
 def _silent_peer(rank, world):
     if rank == 1:
         return None  # never checks in
-    return str(peer_failure(RuntimeError("Timed out waiting 1000ms"), rank=rank, world=world, step=7,
+    cause = "Timed out waiting 1000ms" if rank == 0 else "Connection closed by peer [127.0.0.1]:1234"
+    return str(peer_failure(RuntimeError(cause), rank=rank, world=world, step=7,
                             operation="gradient all-reduce", timeout_s=1.0))
 
 
 def test_peer_failure_names_the_silent_rank():
+    """Rank 0 timed out waiting; rank 2's connection to rank 1 closed (rank 1 died): only rank 0
+    says it waited for comm.timeout_s."""
     message = run_workers(_silent_peer, 3, timeout=30)
     for text in (message[0], message[2]):
         assert text.startswith("rank 1 stopped answering")
-        assert "step 7" in text and "gradient all-reduce" in text and "comm.timeout_s=1" in text
+        assert "step 7" in text and "gradient all-reduce" in text
+    assert "after comm.timeout_s=1 s" in message[0] and "comm.timeout_s" not in message[2]
+    assert "when its connection to them failed (Connection closed by peer" in message[2]
 
 
 def _finite_checks(rank, world):

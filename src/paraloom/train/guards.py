@@ -55,5 +55,8 @@ def peer_failure(exc: BaseException, *, rank: int, world: int, step: int, operat
     who = (f"rank {silent[0]}" if len(silent) == 1 else
            f"ranks {', '.join(map(str, silent))}" if silent else "a peer")
     cause = " ".join(str(exc).split())[:200]
+    # a peer that died closes its connections at once; only a hung one makes the wait run out
+    timed_out = any(word in cause.lower() for word in ("timed out", "timeout"))
+    when = f"after comm.timeout_s={timeout_s:g} s" if timed_out else "when its connection to them failed"
     return PeerFailure(f"{who} stopped answering (hung or died): rank {rank} gave up on the {operation} "
-                       f"of step {step} after comm.timeout_s={timeout_s:g} s ({cause})")
+                       f"of step {step} {when} ({cause})")
