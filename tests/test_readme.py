@@ -1,5 +1,6 @@
-"""README's commands stay true: every key it sets exists, and every `paraloom train` command it shows
-builds its config and passes the checks the launcher runs before any worker starts."""
+"""README's commands stay true: every key it sets exists, every `paraloom train` command it shows
+builds its config and passes the checks the launcher runs before any worker starts, and every other
+`paraloom` command it shows parses (its subcommands, options and their values' types)."""
 
 import dataclasses
 import re
@@ -91,3 +92,47 @@ def test_a_readme_train_command_passes_the_launchers_checks(line, monkeypatch):
         world -= cfg.ps.servers  # on a cluster the servers take nodes of their own
     cfg.validate_world(world)
     preflight(cfg, world)
+
+
+def other_commands(text: str) -> list[list[str]]:
+    """Every `paraloom` command of the fenced blocks but `train`, as argument lists: a placeholder
+    `<...>` stands for a word, and each alternative of an optional `[a | b]` is a command of its own
+    (besides the one without it)."""
+    out = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = " ".join(re.sub(r"\s+#.*$", "", line).split())
+            if not re.match(r"^paraloom (?!train\b)\w", line):
+                continue
+            line = re.sub(r"<[^>]*>", "x", line)
+            optional = re.findall(r"\[([^\]]*)\]", line)
+            base = shlex.split(re.sub(r"\s*\[[^\]]*\]", "", line))[1:]
+            out.append(base)
+            out += [base + shlex.split(choice) for group in optional for choice in group.split("|")]
+    return out
+
+
+OTHERS = other_commands(README)
+
+
+def test_the_readme_shows_other_commands():
+    assert {args[0] for args in OTHERS} >= {"plan", "calibrate", "history", "report", "cluster", "bench"}
+
+
+@pytest.mark.parametrize("args", OTHERS, ids=[" ".join(args)[:80] for args in OTHERS])
+def test_a_readme_command_parses(args):
+    """Parsed as the CLI parses it, down to its subcommand (nothing runs): an option README shows
+    that the command does not have, or a value of the wrong type, fails here."""
+    import typer
+
+    from paraloom.cli import app
+
+    command, name, rest = typer.main.get_command(app), "paraloom", list(args)
+    ctx = None
+    while True:
+        ctx = command.make_context(name, rest, parent=ctx)
+        if not hasattr(command, "resolve_command"):
+            return
+        # a group keeps its subcommand's name apart (click 8.2 made that attribute private)
+        named = getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])
+        name, command, rest = command.resolve_command(ctx, [*named, *ctx.args])
