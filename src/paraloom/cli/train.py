@@ -215,7 +215,8 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
         from paraloom.config_world import threads_per_worker
         from paraloom.perfmodel.contract import load_or_predict
 
-        load_or_predict(run_dir, cfg, world, threads_per_worker(cfg.parallel.nproc), cached=profile)
+        load_or_predict(run_dir, cfg, world, threads_per_worker(cfg.parallel.nproc),
+                        "cuda" if _on_gpus(cfg) else "cpu", cached=profile)
     if nodes is None:
         from paraloom.launch import launch_local
 
