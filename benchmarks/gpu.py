@@ -39,8 +39,8 @@ from rich.console import Console
 from paraloom.bench.single_device import GPU_CASES, QUICK_CASES, compare, trace
 from paraloom.data_parallel import DataParallel
 from paraloom.models.gpt import GPT
-from paraloom.perfmodel.device_profile import BUCKETS_MB, device_profile, measure_device
-from paraloom.perfmodel.microbench import DTYPES
+from paraloom.perfmodel.measure.device_profile import BUCKETS_MB, device_profile, measure_device
+from paraloom.perfmodel.measure.microbench import DTYPES
 
 GPT_350M = {"seq_len": 1024, "n_layers": 24, "d_model": 1024, "n_heads": 16, "batch": 8}
 GPT_QUICK = {"seq_len": 32, "n_layers": 2, "d_model": 64, "n_heads": 4, "batch": 4}

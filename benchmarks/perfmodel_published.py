@@ -44,9 +44,10 @@ from common import make_table, write_json
 from rich.console import Console
 
 from paraloom.errors import UserError
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import OP_CLASSES, Hardware
-from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.strategies import Options, Plan, estimate
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.plan import Options, Plan
 
 CASES = Path(__file__).with_name("published_cases.yaml")
 METRICS = ("tflops_per_gpu", "samples_per_s", "tokens_per_s", "step_s", "efficiency", "speedup")

@@ -4,7 +4,7 @@
 
 1. Calibrate: this machine's compute constants and, per link rate, the ring all-reduce's alpha
    and beta across a 2-node emulated cluster, and per wire dtype (fp32, fp16, bf16) across a 2-
-   and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.calibrate`); then refine the
+   and a 4-node one, the group sizes the plans use (`paraloom.perfmodel.measure.calibrate`); then refine the
    compute scale and per-step overhead from single-worker runs (MLP and GPT on one thread) and a
    synchronous step's own cost from 2-worker fifo runs on loopback, their measured communication
    taken out; 120 steps each, the MLP's two kinds three times, interleaved (the refinement takes
@@ -148,8 +148,8 @@ def loopback_refinement(out: Path, rate: str, console: Console) -> list[Path]:
 def measure(quick: bool, console: Console) -> dict[str, Any]:
     """Calibrate per link rate, then run every configuration; predictions are added by `predict`."""
     from paraloom.cluster import parse_rate
-    from paraloom.perfmodel.calibrate import calibrate, refine
-    from paraloom.perfmodel.finished_runs import measured_step_seconds
+    from paraloom.perfmodel.measure.calibrate import calibrate, refine
+    from paraloom.perfmodel.runs.finished import measured_step_seconds
 
     configs = configurations(quick)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "hardware": {},
@@ -207,12 +207,12 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
 def predict(report: dict[str, Any]) -> dict[str, Any]:
     """Predictions from the stored hardware profiles and configs; errors, groups and the summary."""
     from paraloom.config import Config
-    from paraloom.perfmodel.contract import predicted_terms
-    from paraloom.perfmodel.fitted import leave_one_out
+    from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.hardware import Hardware
-    from paraloom.perfmodel.profile import profile_model
-    from paraloom.perfmodel.strategies import estimate
+    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.runs.contract import predicted_terms
+    from paraloom.perfmodel.runs.fitted import leave_one_out
 
     profiles = {rate: Hardware.from_yaml(yaml.safe_dump(h["profile"]))
                 for rate, h in report["hardware"].items()}

@@ -124,7 +124,7 @@ def test_every_registry_implements_exactly_its_names():
     from paraloom.comm.algorithms import ALGORITHMS
     from paraloom.comm.schedulers import SCHEDULERS
     from paraloom.compress import COMPRESSORS
-    from paraloom.perfmodel.compression import WIRE_FORMATS
+    from paraloom.perfmodel.cost.compression import WIRE_FORMATS
 
     assert ("native", *ALGORITHMS) == choices.ALL_REDUCE_ALGORITHMS
     assert tuple(SCHEDULERS) == choices.SCHEDULERS

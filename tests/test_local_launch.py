@@ -99,7 +99,7 @@ def test_a_first_use_calibration_runs_before_the_forkserver_starts(monkeypatch, 
     assert calls == ["calibrate", "start"]
     calls.clear()
     from paraloom.config_world import threads_per_worker
-    from paraloom.perfmodel.machine_profile import cached_path
+    from paraloom.perfmodel.measure.machine_profile import cached_path
 
     cached_path(threads_per_worker(2)).write_text("{}")  # a profile cached: the server starts at once
     with pytest.raises(SystemExit):

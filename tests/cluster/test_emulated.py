@@ -151,7 +151,7 @@ def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path, m
     beforehand, so nothing is calibrated), never from loopback's."""
     from paraloom.config_world import threads_per_worker
     from paraloom.perfmodel.hardware import load_hardware
-    from paraloom.perfmodel.machine_profile import cached_path
+    from paraloom.perfmodel.measure.machine_profile import cached_path
 
     monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("PARALOOM_HARDWARE")
@@ -269,7 +269,7 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
 
 def test_calibration_measures_gloos_all_reduce_per_dtype_on_a_cluster_like_another():
     from paraloom.cli.perf import _emulated_like
-    from paraloom.perfmodel.calibrate import measure_groups
+    from paraloom.perfmodel.measure.calibrate import measure_groups
 
     with EmulatedCluster(ClusterSpec(2, parse_rate("1gbit"), _name())) as pair:
         with _emulated_like(pair, 3) as trio:

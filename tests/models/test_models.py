@@ -197,8 +197,8 @@ def test_unknown_model_lists_the_names():
 
 
 def test_llama_style_has_llama_2_7bs_parameter_count():
-    from paraloom.perfmodel.profile import profile_model
-    from paraloom.perfmodel.specs import build_from_spec
+    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.measure.specs import build_from_spec
 
     spec = "gpt:layers=32,hidden=4096,heads=32,seq=4096,vocab=32000,style=llama,ffn=11008"
     model, _ = build_from_spec(spec, "meta")

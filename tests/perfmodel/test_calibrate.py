@@ -11,14 +11,15 @@ import yaml
 from paraloom.cli import main
 from paraloom.config import Config
 from paraloom.errors import UserError
-from paraloom.perfmodel.calibrate import build_profile, measure_compute, refine
-from paraloom.perfmodel.cpu_host import measure_host
-from paraloom.perfmodel.device_cost import DISPATCH, without_dispatch
-from paraloom.perfmodel.finished_runs import measured_step_seconds, unusable
+from paraloom.perfmodel.cost.device import DISPATCH, without_dispatch
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.from_config import predictable
 from paraloom.perfmodel.hardware import Hardware, Link, load_hardware
-from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.strategies import Plan, estimate
+from paraloom.perfmodel.measure.calibrate import build_profile, measure_compute, refine
+from paraloom.perfmodel.measure.cpu_host import measure_host
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.plan import Plan
+from paraloom.perfmodel.runs.finished import measured_step_seconds, unusable
 
 PHASES = ("fwd", "bwd")
 OP_CLASSES = ("matmul", "conv", "attention", "other")
@@ -272,7 +273,7 @@ def test_calibrate_from_history_fits_the_runs_it_can_and_passes_over_the_rest(tm
     printed as what it gave), a run whose model factory no longer imports, one that injected a
     slowdown, and a parameter-server run that served no step: refined from the first
     three, one line counts the other three, and history of those alone is refused in one line."""
-    from paraloom.perfmodel import history
+    from paraloom.perfmodel.runs import history
 
     monkeypatch.setenv("PARALOOM_CACHE_DIR", str(tmp_path))
     mlp, ps = {"model": {"name": "mlp"}}, {"nproc": 2, "mode": "ps"}
@@ -332,8 +333,8 @@ class _Nodes:
 def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(monkeypatch):
     """Each group's sweeps follow t = c_lat 2e-4 + c_bw S / B exactly, but one dtype's own fit says
     9e-4 s: the group keeps the median of its three fits and refits each dtype's bandwidth with it."""
-    from paraloom.perfmodel import calibrate as cal
-    from paraloom.perfmodel.network import allreduce_coefficients
+    from paraloom.perfmodel.cost.network import allreduce_coefficients
+    from paraloom.perfmodel.measure import calibrate as cal
 
     calls = []
     own_fit = {"float32": 1e-4, "float16": 9e-4, "bfloat16": 2e-4}
@@ -370,7 +371,7 @@ def test_calibrate_group_sizes_are_checked(tmp_path, capsys, sizes, message):
 def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeypatch):
     """At 10 Gbit/s the token bucket holds 2.5 MB: fit on 40 MB and up, and sweep to 64 MiB; at
     1 Gbit/s (250 KB) on 4 MB and up; at 100 Mbit/s (32 KiB) on 1 MiB and up."""
-    from paraloom.perfmodel import calibrate as cal
+    from paraloom.perfmodel.measure import calibrate as cal
 
     def cluster(rate_bits):
         return SimpleNamespace(spec=SimpleNamespace(rate_bits=rate_bits))
@@ -396,7 +397,7 @@ def test_a_links_alpha_is_its_floor_and_a_groups_its_median_repeat(monkeypatch):
     """Small sizes' median repeats carry 3 ms of barrier skew; the fastest repeats follow
     t = 2 alpha + S / B with alpha = 50 us. floor=True fits alpha to the fastest repeats; without
     it the skew is part of alpha. Either way the bandwidth comes from the sustained sizes' medians."""
-    from paraloom.perfmodel import calibrate as cal
+    from paraloom.perfmodel.measure import calibrate as cal
 
     def fake_run(sizes, **kw):
         rows = [{"bytes": s, "seconds": 1e-4 + s / 1e8 + (3e-3 if s < 1 << 18 else 0.0),

@@ -10,8 +10,13 @@ from paraloom.compress import COMPRESSORS, make_compressor
 from paraloom.compress.powersgd import PowerSGDState
 from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.errors import UserError
-from paraloom.perfmodel.compression import compressed_bytes, compressed_sync_time, powersgd_rounds, summable
-from paraloom.perfmodel.network import allgather_time, allreduce_time
+from paraloom.perfmodel.cost.compression import (
+    compressed_bytes,
+    compressed_sync_time,
+    powersgd_rounds,
+    summable,
+)
+from paraloom.perfmodel.cost.network import allgather_time, allreduce_time
 
 
 @dataclass(frozen=True)

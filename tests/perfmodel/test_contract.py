@@ -13,8 +13,12 @@ from distributed import run_workers
 from test_strategies import hardware, model
 
 from paraloom.config import load_config
-from paraloom.perfmodel import calibrate, history, machine_profile
-from paraloom.perfmodel.contract import (
+from paraloom.perfmodel.cost.step_time import estimate
+from paraloom.perfmodel.hardware import Link, load_hardware
+from paraloom.perfmodel.measure import calibrate, machine_profile
+from paraloom.perfmodel.plan import Options, Plan
+from paraloom.perfmodel.runs import history
+from paraloom.perfmodel.runs.contract import (
     TERMS,
     Contract,
     load_or_predict,
@@ -26,8 +30,6 @@ from paraloom.perfmodel.contract import (
     stale_hint,
     warning,
 )
-from paraloom.perfmodel.hardware import Link, load_hardware
-from paraloom.perfmodel.strategies import Options, Plan, estimate
 from paraloom.train import train
 
 SMALL = ["model.name=mlp", "model.hidden=32", "optim.epochs=2", "run.log_every=5"]  # 46 steps on 2 ranks
@@ -202,7 +204,7 @@ def _off(**terms):
 
 
 def test_a_compute_or_update_miss_is_told_apart_as_the_machines_or_the_models(tmp_path):
-    from paraloom.perfmodel.recheck import machine_check
+    from paraloom.perfmodel.measure.recheck import machine_check
 
     predicted, said = _cpu_profile(tmp_path) | {"step_seconds": 0.011}, []
     predicted["terms"]["update"] = 0.001
@@ -402,7 +404,7 @@ def test_a_run_is_priced_as_the_model_it_builds(settings):
     from paraloom.data import load_data
     from paraloom.models.make import make_model
     from paraloom.perfmodel.from_config import spec_of
-    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model
 
     cfg = load_config(None, [*settings, "data.text_bytes=20000"])
     trained = make_model(cfg, load_data(cfg))
@@ -416,7 +418,7 @@ def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch
     monkeypatch.delenv("PARALOOM_HARDWARE")
     assert machine_profile.resolve_hardware("auto", 1) is None  # not calibrated yet
     made = []
-    monkeypatch.setattr("paraloom.perfmodel.calibrate.calibrate",
+    monkeypatch.setattr("paraloom.perfmodel.measure.calibrate.calibrate",
                         lambda **kw: made.append(kw) or (load_hardware("a100-ib-hdr"), {}))
     path = calibrate.calibrate_once(1, progress=lambda _: None)
     assert path == machine_profile.cached_path(1) and path.is_file() and len(made) == 1

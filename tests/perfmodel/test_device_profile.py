@@ -10,12 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-import paraloom.perfmodel.device_profile as dp
+import paraloom.perfmodel.measure.device_profile as dp
 from paraloom.cli import main
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware, device_preset, load_hardware
-from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.specs import build_from_spec
-from paraloom.perfmodel.strategies import Options, Plan, estimate
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.measure.specs import build_from_spec
+from paraloom.perfmodel.plan import Options, Plan
 
 TINY = {"matmul": 64, "conv": (2, 4, 8), "attention": (1, 2, 32, 8), "elements": 2**12}
 
@@ -168,7 +169,7 @@ def test_the_optimizers_timed_are_built_as_a_run_builds_them(timed, optim):
     uses it, not the class's default implementation (a per-tensor loop on a CPU, foreach on a GPU)."""
     from paraloom.config import load_config
     from paraloom.optim.recipe import Recipe
-    from paraloom.perfmodel.microbench import OPTIMIZERS
+    from paraloom.perfmodel.measure.microbench import OPTIMIZERS
 
     params = [torch.zeros(8, requires_grad=True)]
     benchmarked = OPTIMIZERS[timed](params)
@@ -179,7 +180,7 @@ def test_the_optimizers_timed_are_built_as_a_run_builds_them(timed, optim):
 def test_a_rate_counts_finished_calls_not_queued_ones(monkeypatch):
     """On a GPU a call only queues its kernel: the calibration must wait for each call, or it would
     queue thousands of them in its first `min_s` and every sample would then run for minutes."""
-    from paraloom.perfmodel import microbench
+    from paraloom.perfmodel.measure import microbench
 
     queued, run_s = [0], 0.002
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from paraloom.errors import UserError
-from paraloom.perfmodel import fitted, history
-from paraloom.perfmodel.contract import TERMS
+from paraloom.perfmodel.runs import fitted, history
+from paraloom.perfmodel.runs.contract import TERMS
 
 
 def run(compute, communication, measured, world=2, **config):

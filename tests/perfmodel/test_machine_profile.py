@@ -10,15 +10,15 @@ from test_contract import SMALL
 
 from paraloom.cli import train as cli_train
 from paraloom.config import load_config
-from paraloom.perfmodel import calibrate, machine_profile
-from paraloom.perfmodel.contract import load_or_predict
 from paraloom.perfmodel.hardware import load_hardware
-from paraloom.perfmodel.machine_profile import (
+from paraloom.perfmodel.measure import calibrate, machine_profile
+from paraloom.perfmodel.measure.machine_profile import (
     cached_path,
     cached_source,
     calibrate_gpu_once,
     resolve_hardware,
 )
+from paraloom.perfmodel.runs.contract import load_or_predict
 
 
 @pytest.fixture
@@ -106,8 +106,8 @@ def test_a_run_on_an_emulated_cluster_is_priced_with_links_measured_across_one(c
     from types import SimpleNamespace
 
     from paraloom.config_world import threads_per_worker
-    from paraloom.perfmodel.contract import replan
     from paraloom.perfmodel.hardware import Link
+    from paraloom.perfmodel.runs.contract import replan
 
     cluster = SimpleNamespace(nodes=2, spec=SimpleNamespace(rate="1gbit"))
     fast, slow = Link("loopback", 1e9, 1e-4), Link("emulated 1gbit", 1.2e8, 2e-4)

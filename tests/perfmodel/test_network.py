@@ -7,7 +7,7 @@ import pytest
 
 from paraloom.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
 from paraloom.errors import UserError
-from paraloom.perfmodel.network import (
+from paraloom.perfmodel.cost.network import (
     allgather_time,
     allreduce_coefficients,
     allreduce_time,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paraloom.perfmodel.overlap import (
+from paraloom.perfmodel.cost.overlap import (
     LayerTimes,
     fifo_exposed,
     one_step_delay_exposed,
@@ -96,7 +96,7 @@ def test_nothing_to_send_exposes_nothing():
 
 
 def test_mean_value_analysis_by_hand():
-    from paraloom.perfmodel.queueing import asp_cycle, mva_cycle
+    from paraloom.perfmodel.cost.queueing import asp_cycle, mva_cycle
 
     # one customer: no queueing, the cycle is the sum of the demands and the delay
     assert mva_cycle(1, [0.7, 0.7], 0.05) == pytest.approx(1.45)

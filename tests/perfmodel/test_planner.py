@@ -13,10 +13,11 @@ from paraloom.choices import MODELLED_ALGORITHMS
 from paraloom.cli import main
 from paraloom.config import load_config
 from paraloom.errors import UserError
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import load_hardware
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.plan import Plan
 from paraloom.perfmodel.planner import grids, is_exact, parse_nodes, parse_plan, rank, tp_sizes, variants
-from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.strategies import Plan, estimate
 
 GPT = "gpt:layers=4,hidden=64,heads=4,seq=32"
 GPT_175B = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"

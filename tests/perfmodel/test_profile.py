@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from paraloom.errors import UserError
 from paraloom.perfmodel import build_from_spec, profile_model
-from paraloom.perfmodel.profile import OP_CLASSES
+from paraloom.perfmodel.model_profile import OP_CLASSES
 
 GPT_SMALL = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=256"
 GPT_175B = "gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200"

@@ -6,11 +6,13 @@ import math
 import pytest
 
 from paraloom.errors import UserError
+from paraloom.perfmodel.cost.memory import activation_share, in_flight
+from paraloom.perfmodel.cost.network import allreduce_time
+from paraloom.perfmodel.cost.step_time import estimate, split_stages
 from paraloom.perfmodel.hardware import Device, Hardware, Link, load_hardware
-from paraloom.perfmodel.memory import activation_share, in_flight
-from paraloom.perfmodel.network import allreduce_time
-from paraloom.perfmodel.profile import LayerProfile, ModelProfile, profile_model
-from paraloom.perfmodel.strategies import Options, Plan, estimate, split_stages
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.model_profile import LayerProfile, ModelProfile
+from paraloom.perfmodel.plan import Options, Plan
 
 GFLOP = 1e9
 
@@ -87,7 +89,7 @@ def test_interleaving_shrinks_the_bubble_v_fold_and_sends_v_times_as_often():
 
 
 def test_interleaved_stages_hold_their_warm_up_chunks():
-    from paraloom.perfmodel.memory import in_flight
+    from paraloom.perfmodel.cost.memory import in_flight
 
     assert in_flight("interleaved_1f1b", 8, 4, 0, 2) == (3 * 2 + 4 + 1) / 2  # pp + (pp - 1) / v
     assert in_flight("interleaved_1f1b", 8, 4, 3, 2) == (0 + 4 + 1) / 2
@@ -184,7 +186,7 @@ def test_a_parameter_servers_cpu_per_message_adds_to_its_bytes():
 def test_a_parameter_servers_updates_are_one_a_slice_and_clock_under_bsp_one_a_push_else():
     """16 slices, 4 workers, 1 ms an optimizer step: BSP adds 16 x 1 ms to the server's CPU a step,
     ASP 4 x 16 x 1 ms (one step a push)."""
-    from paraloom.perfmodel.cpu_cost import server_cpu
+    from paraloom.perfmodel.cost.cpu import server_cpu
 
     opts = Options(ps_partition_mb=1 / 1024)
     hw, base = hardware(inter_bw=1e12, **{"ps.server_s_per_update": 1e-3}), hardware(inter_bw=1e12)
@@ -293,7 +295,7 @@ def test_winograd_divides_the_3x3_convolutions_flops_where_the_device_says_and_w
     from dataclasses import replace
 
     from paraloom.perfmodel.hardware import load_hardware
-    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model
 
     vgg = profile_model("vgg16")
     p100 = load_hardware("p100-ib-edr")
@@ -311,7 +313,7 @@ def test_winograd_divides_the_3x3_convolutions_flops_where_the_device_says_and_w
 def test_winograds_5x5_factor_is_the_same_tiles_and_a_frameworks_op_overhead_adds_per_kernel():
     from dataclasses import replace
 
-    from paraloom.perfmodel.device_cost import layer_seconds, winograd_5x5
+    from paraloom.perfmodel.cost.device import layer_seconds, winograd_5x5
 
     assert winograd_5x5(2.25) == pytest.approx(100 / 36)  # F(2x2, 3x3) -> F(2x2, 5x5)
     assert winograd_5x5(4.0) == pytest.approx(400 / 64)  # F(4x4, 3x3) -> F(4x4, 5x5)
@@ -371,7 +373,7 @@ def test_framework_layouts_hold_what_their_sources_say(capsys):
     """Megatron-LM's fp32 main_grad layout: 18 bytes a parameter in fp16 with Adam; ZeRO's stages
     (Rajbhandari et al. 2020): 4 + 12/N_d, 2 + 14/N_d and 16/N_d."""
     from paraloom.cli import main
-    from paraloom.perfmodel.memory import layout_state
+    from paraloom.perfmodel.cost.memory import layout_state
 
     spec = "gpt:layers=2,hidden=256,heads=4,seq=64"
     half = profile_model(spec, dtype="fp16", half_model=True)
@@ -402,7 +404,7 @@ def test_samples_read_from_storage_show_only_beyond_the_step(tmp_path):
     """A prefetching loader reads the next samples while the step runs (Paleo's T_disk): a read
     shorter than the step costs nothing, a longer one sets the step; the samples of a step are spread
     over the nodes its replicas run on."""
-    from paraloom.perfmodel.storage import measure_read_rate
+    from paraloom.perfmodel.cost.storage import measure_read_rate
 
     profile = profile_model("mlp")
     base = load_hardware("a100-hdr")
@@ -465,7 +467,7 @@ def test_a_node_that_sums_its_workers_gradients_pushes_once(tmp_path, capsys):
     """TensorFlow's distributed_replicated: 16 workers on two 8-GPU nodes push as two, after a ring
     all-reduce inside each node; the servers move an eighth of the bytes."""
     from paraloom.cli import main
-    from paraloom.perfmodel.network import ps_pull_time, ps_time
+    from paraloom.perfmodel.cost.network import ps_pull_time, ps_time
 
     profile = profile_model("resnet50")
     hw = load_hardware("v100-25gbe")

@@ -23,7 +23,7 @@ from distributed import run_workers
 from paraloom.config import load_config
 from paraloom.data import load_data
 from paraloom.models.make import make_model
-from paraloom.perfmodel.contract import TERMS
+from paraloom.perfmodel.runs.contract import TERMS
 from paraloom.train import train
 
 MLP = ["model.name=mlp", "model.hidden=16", "data.name=synthetic", "data.n_samples=256", "data.batch_size=32"]

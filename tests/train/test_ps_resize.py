@@ -11,8 +11,8 @@ from paraloom.config import load_config
 from paraloom.errors import UserError
 from paraloom.parameter_server.resplit import recut
 from paraloom.parameter_server.server import ParameterServer
-from paraloom.perfmodel.contract import predict
-from paraloom.perfmodel.machine_profile import resolve_hardware
+from paraloom.perfmodel.measure.machine_profile import resolve_hardware
+from paraloom.perfmodel.runs.contract import predict
 from paraloom.train import train
 from paraloom.train.checkpoint import load_checkpoint, step_dir
 from paraloom.train.strategies.parameter_server import ParameterServerStrategy

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from paraloom.errors import UserError
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.microbench import DTYPES, synchronizer
-from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.specs import build_from_spec
-from paraloom.perfmodel.strategies import Options, Plan, estimate
+from paraloom.perfmodel.measure.microbench import DTYPES, synchronizer
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.measure.specs import build_from_spec
+from paraloom.perfmodel.plan import Options, Plan
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from paraloom.cli.options import cluster_from_options
 from paraloom.errors import UserError
-from paraloom.perfmodel.storage import READ_BANDWIDTH
+from paraloom.perfmodel.cost.storage import READ_BANDWIDTH
 
 
 def plan(
@@ -64,7 +64,7 @@ def plan(
     top: Annotated[int, typer.Option(help="rows per table")] = 10,
 ) -> None:
     """Predict step time and memory of every parallel plan; recommend a plan and a node count."""
-    from paraloom.perfmodel.plan_command import run_plan
+    from paraloom.cli.plan import run_plan
 
     given = {"model": model, "data": data, "global_batch": global_batch, "dtype": dtype,
              "recompute": recompute, "optimizer": optimizer}
@@ -121,9 +121,9 @@ def calibrate(
              "dropped from the page cache, read back)")] = Path(tempfile.gettempdir()),
 ) -> None:
     """Measure this machine into a hardware profile for `paraloom plan`, or refine one from runs."""
-    from paraloom.perfmodel import calibrate as cal
-    from paraloom.perfmodel.finished_runs import unusable
     from paraloom.perfmodel.hardware import load_hardware
+    from paraloom.perfmodel.measure import calibrate as cal
+    from paraloom.perfmodel.runs.finished import unusable
 
     if not out.parent.is_dir():
         raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
@@ -193,7 +193,7 @@ def _run_dirs(given: list[Path], *, unusable: Callable[[Path], str | None] = lam
     """--from's run directories; the word `history` stands for every finished run the history lists
     that can be fitted to (`unusable` gives why not: the runs passed over are counted in one line,
     the first named with its reason). A run directory given by name is always kept."""
-    from paraloom.perfmodel import history
+    from paraloom.perfmodel.runs import history
 
     out = []
     for item in given:
@@ -225,8 +225,8 @@ def history(
 
     from rich.table import Table
 
-    from paraloom.perfmodel import fitted
-    from paraloom.perfmodel import history as past
+    from paraloom.perfmodel.runs import fitted
+    from paraloom.perfmodel.runs import history as past
 
     runs = past.read()
     console = Console()
@@ -258,8 +258,8 @@ def _calibrate_device(text: str, preset: str | None, inter: str, out: Path, cons
     """`calibrate --device`: measure the GPU, write its profile, show its efficiencies beside the preset's."""
     from rich.table import Table
 
-    from paraloom.perfmodel.device_profile import check_device, device_profile, measure_device
     from paraloom.perfmodel.hardware import device_preset, link_preset
+    from paraloom.perfmodel.measure.device_profile import check_device, device_profile, measure_device
 
     if preset is not None:
         device_preset(preset)

@@ -114,8 +114,8 @@ def _calibrate_once(cfg, emulated=None) -> Path | None:
     if cfg.run.hardware != "auto":
         return None
     from paraloom.config_world import threads_per_worker
-    from paraloom.perfmodel.calibrate import calibrate_once
-    from paraloom.perfmodel.machine_profile import calibrate_gpu_once
+    from paraloom.perfmodel.measure.calibrate import calibrate_once
+    from paraloom.perfmodel.measure.machine_profile import calibrate_gpu_once
 
     console = Console(stderr=True)
 
@@ -175,7 +175,7 @@ def _forks_here(cfg, nodes) -> bool:
 def _calibrates_first(cfg) -> bool:
     """Whether this run measures the machine first (`run.hardware=auto`, nothing cached yet)."""
     from paraloom.config_world import threads_per_worker
-    from paraloom.perfmodel.machine_profile import cached_path
+    from paraloom.perfmodel.measure.machine_profile import cached_path
 
     if cfg.run.hardware != "auto" or os.environ.get("PARALOOM_HARDWARE"):
         return False
@@ -213,7 +213,7 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
                                f"run directory {run_dir}", highlight=False, soft_wrap=True)
     if profile is not None:  # rank 0 reads it back from the run directory
         from paraloom.config_world import threads_per_worker
-        from paraloom.perfmodel.contract import load_or_predict
+        from paraloom.perfmodel.runs.contract import load_or_predict
 
         load_or_predict(run_dir, cfg, world, threads_per_worker(cfg.parallel.nproc),
                         "cuda" if _on_gpus(cfg) else "cpu", cached=profile)
@@ -274,7 +274,7 @@ def print_contract(contract: dict | None) -> None:
         reason = predicted.get("skipped") or predicted.get("error")
         Console(stderr=True).print(f"paraloom: no prediction: {reason}", highlight=False)
         return
-    from paraloom.perfmodel.contract import CALIBRATED, TERMS, spread_calibrated, spread_miss, stale_hint
+    from paraloom.perfmodel.runs.contract import CALIBRATED, TERMS, spread_calibrated, spread_miss, stale_hint
 
     off = set(contract.get("off", []))
     table = Table(title=f"predicted ({predicted['hardware']}) and measured, ms per step")
@@ -301,7 +301,7 @@ def print_contract(contract: dict | None) -> None:
         say(spread)
     checked = {}
     if missed and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
-        from paraloom.perfmodel.recheck import machine_check
+        from paraloom.perfmodel.measure.recheck import machine_check
 
         checked = machine_check(predicted, measured, missed, progress=say)
         for line in checked.values():

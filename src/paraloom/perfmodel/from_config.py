@@ -10,7 +10,7 @@ from typing import Any
 from paraloom.choices import AUTO_START_BUCKET_MB
 from paraloom.config import Config
 from paraloom.errors import UserError
-from paraloom.perfmodel.strategies import Options, Plan
+from paraloom.perfmodel.plan import Options, Plan
 from paraloom.rules import is_factory
 
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass, replace
 
 from paraloom.choices import ALL_REDUCE_ALGORITHMS, COMPRESSORS, SCHEDULERS
 from paraloom.errors import UserError
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.profile import ModelProfile
-from paraloom.perfmodel.strategies import Estimate, Options, Plan, estimate
+from paraloom.perfmodel.model_profile import ModelProfile
+from paraloom.perfmodel.plan import Estimate, Options, Plan
 
 EXACT_NOTE = "changes the math (convergence differs from synchronous SGD)"
 SERVERS = (1, 2, 4)  # parameter-server shard counts tried
@@ -25,7 +26,7 @@ def divisors(n: int) -> list[int]:
 def tp_sizes(spec: str) -> tuple[int, ...]:
     """Sizes tensor parallelism must divide (heads, MLP width, vocabulary); () if it cannot apply."""
     from paraloom.models.gpt import Block, Head
-    from paraloom.perfmodel.specs import build_from_spec
+    from paraloom.perfmodel.measure.specs import build_from_spec
 
     model, _ = build_from_spec(spec, "meta")
     sizes = []

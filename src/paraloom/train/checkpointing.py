@@ -15,7 +15,7 @@ import torch.distributed as dist
 from paraloom.config import Config
 from paraloom.errors import UserError
 from paraloom.optim.ema import WeightAverage
-from paraloom.perfmodel.contract import replan
+from paraloom.perfmodel.runs.contract import replan
 from paraloom.train.checkpoint import (
     PendingSave,
     agree_on_checkpoint,

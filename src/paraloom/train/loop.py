@@ -26,8 +26,8 @@ from paraloom.config_faults import parse_faults
 from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
 from paraloom.errors import UserError
 from paraloom.optim.ema import WeightAverage
-from paraloom.perfmodel import history
-from paraloom.perfmodel.contract import TERMS, Contract, load_or_predict, report
+from paraloom.perfmodel.runs import history
+from paraloom.perfmodel.runs.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
 from paraloom.train.checkpoint import PendingSave

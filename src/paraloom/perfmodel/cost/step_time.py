@@ -10,162 +10,21 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import asdict, dataclass, field
 
-from paraloom.choices import (
-    ALL_REDUCE_ALGORITHMS,
-    CONSISTENCY,
-    MEMORY_LAYOUTS,
-    MODELLED_ALGORITHMS,
-    PIPELINE_SCHEDULES,
-    SCHEDULERS,
-)
-from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
 from paraloom.errors import UserError
-from paraloom.perfmodel import overlap
-from paraloom.perfmodel.compression import codec_time, compressed_bytes, compressed_sync_time
-from paraloom.perfmodel.cpu_cost import (
-    WIRE_DTYPE,
-    comm_cpu,
-    ps_slices,
-    server_cpu,
-    unhidden_cpu,
-)
-from paraloom.perfmodel.device_cost import layer_seconds, update_seconds
+from paraloom.perfmodel.cost import overlap
+from paraloom.perfmodel.cost.compression import codec_time, compressed_bytes, compressed_sync_time
+from paraloom.perfmodel.cost.cpu import WIRE_DTYPE, comm_cpu, ps_slices, server_cpu, unhidden_cpu
+from paraloom.perfmodel.cost.device import layer_seconds, update_seconds
+from paraloom.perfmodel.cost.links import dp_group, dp_link, stream
+from paraloom.perfmodel.cost.memory import stage_peaks
+from paraloom.perfmodel.cost.network import allreduce_time, group_allreduce_time, group_link, p2p_time
+from paraloom.perfmodel.cost.ps_sync import ps_bsp_sync
+from paraloom.perfmodel.cost.queueing import asp_cycle
+from paraloom.perfmodel.cost.storage import READ_BANDWIDTH, read_seconds
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.memory import stage_peaks
-from paraloom.perfmodel.network import (
-    allreduce_time,
-    group_allreduce_time,
-    group_link,
-    p2p_time,
-)
-from paraloom.perfmodel.plan_links import dp_group, dp_link, stream
-from paraloom.perfmodel.profile import ModelProfile
-from paraloom.perfmodel.ps_sync import ps_bsp_sync
-from paraloom.perfmodel.queueing import asp_cycle
-from paraloom.perfmodel.storage import READ_BANDWIDTH, read_seconds
-from paraloom.rules import check_interleaving, check_name, check_parallel_layout
-
-_COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
-PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
-SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
-# the priority scheduler's own costs (paraloom calibrate --from priority runs): a piece's past its
-# all-reduce's calibrated latency, and the scheduler's per step (its issuing thread and deferred
-# updates) per core's share of the host
-PIECE_OVERHEAD, PRIORITY_OVERHEAD = "piece_overhead_s", "priority_overhead_s"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One way to run the model: the grid and every choice that changes the step's time."""
-
-    dp: int = 1  # data-parallel replicas (parameter server: workers)
-    tp: int = 1  # tensor-parallel ranks per replica
-    pp: int = 1  # pipeline stages per replica
-    microbatches: int = 1  # per step and replica (pipeline, or gradient accumulation when pp = 1)
-    schedule: str = "1f1b"  # pipeline schedule
-    virtual_stages: int = 1  # interleaved_1f1b: model chunks per stage (v)
-    scheduler: str = "wait_free"  # data-parallel communication scheduler
-    sync: str = "sync"  # or one_step_delay
-    compressor: str = "none"
-    algorithm: str = "ring"  # all-reduce algorithm: paraloom's, or another system's tree (priced, not run)
-    servers: int = 0  # > 0: a parameter server with this many shards instead of all-reduce
-    consistency: str = "bsp"  # parameter server: bsp, asp or ssp
-    # Megatron's sequence parallelism (Korthikanti et al. 2022): the activations a tp group keeps whole
-    # split along the sequence; priced, not run by paraloom (the planner never offers it)
-    sequence_parallel: bool = False
-    # a parameter server's workers sum their gradients inside each node first and the node pushes once
-    # (TensorFlow's variable_update=distributed_replicated); priced, not run by paraloom
-    ps_node_sum: bool = False
-    # with ps_node_sum: the servers run on the workers' nodes, one a node, sharing their NICs (as the
-    # TensorFlow benchmarks' ps tasks did); priced, not run by paraloom
-    ps_colocated: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
-            if getattr(self, key) < 1:
-                raise UserError(f"plan {key}={getattr(self, key)} must be at least 1")
-        check_interleaving(schedule=self.schedule, virtual_stages=self.virtual_stages, pp=self.pp,
-                           microbatches=self.microbatches)
-        for key, names in (("schedule", PIPELINE_SCHEDULES), ("scheduler", SCHEDULERS),
-                           ("sync", PRICED_SYNC_MODES), ("consistency", CONSISTENCY),
-                           ("algorithm", (*ALL_REDUCE_ALGORITHMS, *MODELLED_ALGORITHMS))):
-            check_name(f"plan {key}", getattr(self, key), names)
-        if self.servers:
-            check_parallel_layout(mode="ps", tp=self.tp, pp=self.pp, microbatches=self.microbatches)
-        if self.ps_node_sum not in (True, False) or (self.ps_node_sum and not (self.servers and
-                                                                               self.consistency == "bsp")):
-            raise UserError(f"plan ps_node_sum={self.ps_node_sum} must be true or false, and true only with "
-                            "servers and consistency bsp")
-        if self.ps_colocated not in (True, False) or (self.ps_colocated and not self.ps_node_sum):
-            raise UserError(f"plan ps_colocated={self.ps_colocated} must be true or false, and true only "
-                            "with ps_node_sum (one pushing worker a node)")
-        if self.sequence_parallel not in (True, False) or (self.sequence_parallel and self.tp == 1):
-            raise UserError(f"plan sequence_parallel={self.sequence_parallel} must be true or false, and "
-                            "true only with tp > 1 (it splits what tensor parallelism keeps whole)")
-
-    @property
-    def devices(self) -> int:
-        """Accelerators the plan trains on. Parameter servers are host processes beside the workers
-        (as TensorFlow's ps tasks ran on the workers' machines), not devices."""
-        return self.dp * self.tp * self.pp
-
-    def label(self) -> str:
-        parts = [f"dp{self.dp}"] + [f"tp{self.tp}" + " sp" * self.sequence_parallel] * (self.tp > 1)
-        parts += [f"pp{self.pp}"] * (self.pp > 1)
-        if self.microbatches > 1:
-            parts.append(f"m{self.microbatches}" + (f" {self.schedule}" if self.pp > 1 else "")
-                         + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        if self.servers:
-            parts.append(f"ps{self.servers} {self.consistency}" + " node-sum" * self.ps_node_sum
-                         + " co-located" * self.ps_colocated)
-        elif self.dp > 1:
-            parts.append(self.scheduler if self.sync == "sync" else self.sync)
-            if self.algorithm not in ("ring", "native"):
-                parts.append(self.algorithm)
-        if self.compressor != "none":
-            parts.append(self.compressor)
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """What the model predicts for one plan."""
-
-    plan: Plan
-    step_s: float
-    samples_per_s: float
-    memory_bytes: float  # the fullest device
-    fits: bool
-    bottleneck: str  # the largest term of `breakdown`
-    breakdown: dict[str, float] = field(default_factory=dict)  # seconds per step by cause
-    phases: dict[str, float] = field(default_factory=dict)  # forward, backward (recomputation included)
-    # and update seconds of the step's own work, before any overlap or waiting
-    memory_per_stage: tuple[float, ...] = ()  # a device's bytes, pipeline stage by stage
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "plan": asdict(self.plan), "label": self.plan.label()}
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the step does besides the plan; defaults are paraloom's config defaults (one source)."""
-
-    optimizer: str = _OPTIM.name
-    bucket_mb: float = _COMM.bucket_mb
-    first_bucket_mb: float = _COMM.first_bucket_mb
-    partition_mb: float = _COMM.partition_mb
-    ps_partition_mb: float = _PS.partition_mb  # a parameter server's shard travels as slices of at most this
-    credit_mb: float = _COMM.credit_mb  # priority scheduler: bytes in flight at most (comm.credit_mb)
-    shard_optimizer: bool = _COMM.shard_optimizer
-    straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
-    guard: bool = _GUARD.nan  # guard.nan: skip steps with NaN/Inf gradients (some updaters all-reduce a flag)
-    layout: str = "ddp"  # a framework's memory layout (memory.layout_state): ddp (paraloom), megatron, zeroN
-    sample_bytes: float = 0.0  # a sample as stored, read from storage every step (0: the data set in memory)
-
-    def __post_init__(self) -> None:
-        check_name("memory layout", self.layout, MEMORY_LAYOUTS)
+from paraloom.perfmodel.model_profile import ModelProfile
+from paraloom.perfmodel.plan import PIECE_OVERHEAD, PRIORITY_OVERHEAD, SYNC_OVERHEAD, Estimate, Options, Plan
 
 
 def split_stages(profile: ModelProfile, pp: int, seconds: list[float]) -> list[tuple[int, int]]:

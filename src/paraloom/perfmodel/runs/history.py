@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paraloom.perfmodel.machine_profile import cache_dir
+from paraloom.perfmodel.measure.machine_profile import cache_dir
 
 FILE = "history.jsonl"
 

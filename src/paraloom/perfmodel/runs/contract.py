@@ -65,9 +65,9 @@ def predicted_terms(estimate) -> dict[str, float]:
 def predict(cfg, workers: int, hardware) -> dict[str, Any]:
     """The run's predicted step, by term, and peak memory per rank, from `hardware` alone."""
     from paraloom.choices import SCHEDULERS
+    from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
-    from paraloom.perfmodel.profile import profile_model
-    from paraloom.perfmodel.strategies import estimate
+    from paraloom.perfmodel.measure.profile import profile_model
 
     what = predictable(cfg, workers)
     dtype = cfg.run.precision
@@ -242,7 +242,7 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     import json
 
     from paraloom.perfmodel.hardware import load_hardware
-    from paraloom.perfmodel.machine_profile import cached_source, resolve_hardware
+    from paraloom.perfmodel.measure.machine_profile import cached_source, resolve_hardware
     from paraloom.train.metrics import write_json
 
     path = run_dir / PREDICTION
@@ -281,7 +281,7 @@ def replan(run_dir, cfg, old_workers: int, new_workers: int, threads: int, *,
     import json
 
     from paraloom.perfmodel.hardware import load_hardware
-    from paraloom.perfmodel.machine_profile import resolve_hardware
+    from paraloom.perfmodel.measure.machine_profile import resolve_hardware
 
     path = run_dir / PREDICTION
     # a profile the launcher chose (an emulated cluster's) goes on pricing the run at its new size

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from paraloom.perfmodel.compression import compressed_bytes
-from paraloom.perfmodel.cpu_cost import crosses_nodes, ps_slices, server_cpu, tcp_cpu_per_byte, unhidden_cpu
+from paraloom.perfmodel.cost.compression import compressed_bytes
+from paraloom.perfmodel.cost.cpu import crosses_nodes, ps_slices, server_cpu, tcp_cpu_per_byte, unhidden_cpu
+from paraloom.perfmodel.cost.links import dp_link, dp_per_node
+from paraloom.perfmodel.cost.network import allreduce_time, ps_pull_time, ps_time
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.network import allreduce_time, ps_pull_time, ps_time
-from paraloom.perfmodel.plan_links import dp_link, dp_per_node
 
 if TYPE_CHECKING:
-    from paraloom.perfmodel.strategies import Options, Plan
+    from paraloom.perfmodel.plan import Options, Plan
 
 
 def ps_pushers(hw: Hardware, plan: Plan, grad_bytes: float) -> tuple[int, float]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from paraloom.perfmodel.cost.network import group_key, group_link
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.network import group_key, group_link
 
 if TYPE_CHECKING:
-    from paraloom.perfmodel.strategies import Options, Plan
+    from paraloom.perfmodel.plan import Options, Plan
 
 TCP_CPU_INTRA = "tcp_cpu_s_per_byte.intra"  # a process's CPU per byte over loopback (paraloom calibrate)
 SERVER_PER_MESSAGE = "ps.server_s_per_message"  # a parameter server's CPU per request, bytes aside

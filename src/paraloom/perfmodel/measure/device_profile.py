@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from paraloom.errors import UserError
-from paraloom.perfmodel.device_cost import HOST, LAUNCH, UPDATE_PER_PARAM, UPDATE_PER_TENSOR
+from paraloom.perfmodel.cost.device import HOST, LAUNCH, UPDATE_PER_PARAM, UPDATE_PER_TENSOR
 from paraloom.perfmodel.hardware import (
     OP_CLASSES,
     Device,
@@ -33,7 +33,7 @@ from paraloom.perfmodel.hardware import (
     network_nics,
     preset_node,
 )
-from paraloom.perfmodel.microbench import (
+from paraloom.perfmodel.measure.microbench import (
     codec_rates,
     compute_rates,
     copy_rates,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paraloom.perfmodel.profile import ModelProfile
+from paraloom.perfmodel.model_profile import ModelProfile
 
 # Megatron tensor parallelism splits most of a transformer layer's activations but not all: per
 # layer s*b*h*(10 + 24/t) bytes plus the attention scores (Korthikanti et al. 2022, "Reducing

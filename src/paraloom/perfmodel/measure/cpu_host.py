@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from paraloom.perfmodel.device_cost import DISPATCH
-from paraloom.perfmodel.microbench import host_costs
+from paraloom.perfmodel.cost.device import DISPATCH
+from paraloom.perfmodel.measure.microbench import host_costs
 
 
 def measure_host(threads: int = 1, min_s: float = 0.02) -> dict[str, float]:

@@ -16,11 +16,12 @@ from paraloom.choices import MODELLED_ALGORITHMS
 from paraloom.config_io import merge
 from paraloom.errors import UserError
 from paraloom.models import MODELS
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware, load_hardware, parse_bytes
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.measure.specs import parse_args
+from paraloom.perfmodel.plan import Estimate, Options, Plan
 from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
-from paraloom.perfmodel.profile import profile_model
-from paraloom.perfmodel.specs import parse_args
-from paraloom.perfmodel.strategies import Estimate, Options, Plan, estimate
 from paraloom.rules import UNUSED_SETTINGS, strategy_for
 
 GPT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}
@@ -117,7 +118,7 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
                                 "plans": [x.to_dict() for x in r.estimates]}
                                for r, e in zip(results, eff, strict=True)]}
         if plot is not None:
-            from paraloom.perfmodel.plots import plot_scaling
+            from paraloom.cli.plan_plots import plot_scaling
 
             plot_scaling(results, plot, title=f"{model} on {hw.name}")
             console.print(f"plot: {plot}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.profile import ModelProfile
+from paraloom.perfmodel.model_profile import ModelProfile
 
 # Bytes an optimizer update reads and writes per parameter (fp32 state): plain SGD reads weight and
 # grad and writes weight (12); with momentum it also reads and writes the buffer (20); Adam reads

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from paraloom.errors import UserError
-from paraloom.perfmodel.cpu_cost import server_cpu_per_message
+from paraloom.perfmodel.cost.cpu import server_cpu_per_message
+from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware
-from paraloom.perfmodel.strategies import estimate
 
 
 def measured_step_seconds(run: Path) -> float:
@@ -72,7 +72,7 @@ def unusable(run: Path, hw: Hardware) -> str | None:
 def measured_and_predicted(run: Path, hw: Hardware):
     """(the run's measured step seconds, the model's Estimate of its plan on `hw`)."""
     from paraloom.perfmodel.from_config import predictable
-    from paraloom.perfmodel.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model
 
     summary, cfg = finished(run)
     world = int(summary.get("world_size") or cfg.parallel.nproc)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from paraloom.perfmodel.contract import RECHECKED
+from paraloom.perfmodel.runs.contract import RECHECKED
 
 SLOWER, FASTER = 0.8, 1.25  # the machine has changed where its rates' ratio leaves this band
 # the profile's micro-benchmarks at a fifth of calibration's sample length: 0.5 s in all, not 2 s (on
@@ -43,11 +43,11 @@ def machine_check(predicted: dict[str, Any], measured: dict[str, float], off: se
     terms = [term for term in RECHECKED if term in off]
     if not terms or not path or not threads or not Path(path).is_file():
         return {}
-    from paraloom.perfmodel.device_cost import UPDATE_PER_PARAM
+    from paraloom.perfmodel.cost.device import UPDATE_PER_PARAM
     from paraloom.perfmodel.hardware import OP_CLASSES, load_hardware
 
     if measure is None:
-        from paraloom.perfmodel.calibrate import measure_compute
+        from paraloom.perfmodel.measure.calibrate import measure_compute
 
         def measure(threads: int) -> dict[str, float]:
             return measure_compute(threads, min_s=CHECK_MIN_S)

@@ -23,26 +23,22 @@ import torch
 
 from paraloom.choices import WIRE_DTYPES
 from paraloom.errors import UserError
-from paraloom.perfmodel import machine_profile
-from paraloom.perfmodel.cpu_cost import (
+from paraloom.perfmodel.cost.cpu import (
     SERVER_PER_MESSAGE,
     SERVER_PER_UPDATE,
     TCP_CPU_INTRA,
     server_cpu_per_message,
 )
-from paraloom.perfmodel.cpu_host import measure_host
-from paraloom.perfmodel.device_cost import without_dispatch
-from paraloom.perfmodel.finished_runs import finished, measured_and_predicted
+from paraloom.perfmodel.cost.device import without_dispatch
+from paraloom.perfmodel.cost.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
+from paraloom.perfmodel.cost.step_time import host_slowdown
+from paraloom.perfmodel.cost.storage import READ_BANDWIDTH, measure_read_rate
 from paraloom.perfmodel.hardware import Device, Hardware, Link
-from paraloom.perfmodel.microbench import codec_rates, compute_rates
-from paraloom.perfmodel.network import fit_alpha_beta, fit_sustained_bandwidth, group_key
-from paraloom.perfmodel.storage import READ_BANDWIDTH, measure_read_rate
-from paraloom.perfmodel.strategies import (
-    PIECE_OVERHEAD,
-    PRIORITY_OVERHEAD,
-    SYNC_OVERHEAD,
-    host_slowdown,
-)
+from paraloom.perfmodel.measure import machine_profile
+from paraloom.perfmodel.measure.cpu_host import measure_host
+from paraloom.perfmodel.measure.microbench import codec_rates, compute_rates
+from paraloom.perfmodel.plan import PIECE_OVERHEAD, PRIORITY_OVERHEAD, SYNC_OVERHEAD
+from paraloom.perfmodel.runs.finished import finished, measured_and_predicted
 
 LINK_SIZES = [2**k for k in range(14, 25, 2)]  # 16 KB .. 16 MB
 GROUP_ALGORITHM = "native"

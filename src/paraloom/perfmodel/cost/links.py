@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paraloom.perfmodel.cpu_cost import WIRE_DTYPE
+from paraloom.perfmodel.cost.cpu import WIRE_DTYPE
+from paraloom.perfmodel.cost.network import group_key, group_link, hierarchical_wire
 from paraloom.perfmodel.hardware import Hardware, Link
-from paraloom.perfmodel.network import group_key, group_link, hierarchical_wire
 
 if TYPE_CHECKING:
-    from paraloom.perfmodel.strategies import Plan
+    from paraloom.perfmodel.plan import Plan
 
 
 def stream(hw: Hardware, link: Link) -> Link:

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-OP_CLASSES = ("matmul", "conv", "attention", "other")
+from paraloom.perfmodel.model_profile import OP_CLASSES
+
 _ATEN = torch.ops.aten
 _FREE = {_ATEN._unsafe_view, _ATEN.detach, _ATEN.alias, _ATEN.lift_fresh, _ATEN.empty_like,
          _ATEN.new_empty, _ATEN.new_empty_strided}  # no arithmetic, no memory traffic

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paraloom.perfmodel.contract import TERMS
+from paraloom.perfmodel.runs.contract import TERMS
 
 GREY_RIDGE = 0.1  # against the squared relative errors summed over the runs
 BLACK_RIDGE = 0.1

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paraloom.errors import UserError
-from paraloom.perfmodel.network import LinkLike, allgather_time, allreduce_time
+from paraloom.perfmodel.cost.network import LinkLike, allgather_time, allreduce_time
 from paraloom.rules import check_name
 
 if TYPE_CHECKING:
