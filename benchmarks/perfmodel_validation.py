@@ -9,7 +9,7 @@
    synchronous step's own cost from 2-worker fifo runs on loopback, their measured communication
    taken out; 120 steps each, the MLP's two kinds three times, interleaved (the refinement takes
    medians); and per link rate the parameter server's CPU per message and per optimizer step from a
-   BSP run of one worker and one server across that rate's emulated link (`calibrate.refine`).
+   BSP run of one worker and one server across that rate's emulated link (`runs.refine`).
    The loopback runs are made again before each rate's runs, after its micro-benchmarks.
    None of them is among the validated configurations. The server's run is on the link, not on
    loopback: the MLP's 2-worker BSP run took 55.0 ms of server CPU a step on loopback and 74.7 ms
@@ -147,9 +147,11 @@ def loopback_refinement(out: Path, rate: str, console: Console) -> list[Path]:
 
 def measure(quick: bool, console: Console) -> dict[str, Any]:
     """Calibrate per link rate, then run every configuration; predictions are added by `predict`."""
+    from paraloom.cli.options import link_timers
     from paraloom.cluster import parse_rate
-    from paraloom.perfmodel.measure.calibrate import calibrate, refine
+    from paraloom.perfmodel.measure.calibrate import calibrate
     from paraloom.perfmodel.runs.finished import measured_step_seconds
+    from paraloom.perfmodel.runs.refine import refine
 
     configs = configurations(quick)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "hardware": {},
@@ -164,7 +166,8 @@ def measure(quick: bool, console: Console) -> dict[str, Any]:
                 cluster = stack.enter_context(emulated(2, parse_rate(rate), "pmv"))
                 groups = [stack.enter_context(emulated(n, parse_rate(rate), "pmv"))
                           for n in sizes]  # the all-reduce at every group size the plans use
-                hw, _ = calibrate(cluster=cluster, group_clusters=groups, name=f"this-machine-{rate}")
+                hw, _ = calibrate(timers=link_timers(), cluster=cluster, group_clusters=groups,
+                                  name=f"this-machine-{rate}")
             white = hw.to_dict()  # micro-benchmarks alone: the white box
             refine_runs = loopback_refinement(out, rate, console)
             console.print(f"calibrating: a parameter server's CPU per message and update at {rate} "

@@ -1,6 +1,7 @@
-"""README's commands stay true: every key it sets exists, every `paraloom train` command it shows
-builds its config and passes the checks the launcher runs before any worker starts, and every other
-`paraloom` command it shows parses (its subcommands, options and their values' types)."""
+"""README's and the documentation site's commands stay true: every key a page sets exists, every
+`paraloom train` and `torchrun ... -m paraloom.worker` command it shows builds its config and passes
+the checks the launcher runs before any worker starts, and every other `paraloom` command it shows
+parses (its subcommands, options and their values' types)."""
 
 import dataclasses
 import re
@@ -13,38 +14,59 @@ from paraloom.config import Config, load_config
 from paraloom.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
+         for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]}
 SECTIONS = [f.name for f in dataclasses.fields(Config)]
 KEYS = {f"{section}.{key.name}" for section in SECTIONS
         for key in dataclasses.fields(getattr(Config(), section))}
 OPTIONS = {"model.options", "data.options", "optim.options"}  # dicts: any key under them is the factory's
 SKIPPED = re.compile(r"[<\[]|--help|--resume|--cluster")  # placeholders, or a run or cluster of the reader's
+TRAIN_OPTIONS = {"--set", "--nproc", "--emulate", "--trace", "--inject"}  # `paraloom train`'s, less the skipped
+WORKER_OPTIONS = {"--set", "--run-dir"}  # `python -m paraloom.worker`'s
+
+
+def blocks(text: str) -> list[str]:
+    """The fenced code blocks of a page (indented ones, inside list items, included)."""
+    return re.findall(r"^[ \t]*```[a-z]*\n(.*?)^[ \t]*```", text, flags=re.S | re.M)
+
+
+def lines(block: str) -> list[str]:
+    """A block's lines, continuations joined, comments dropped, and the variables a Slurm script's
+    `#SBATCH` lines settle given their values (`$SLURM_NNODES` of `#SBATCH --nodes=2` is 2)."""
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)", block, flags=re.M)
+    values = {"SLURM_NNODES": nodes.group(1)} if nodes else {}
+    out = []
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        line = " ".join(re.sub(r"\s+#.*$", "", line).split())
+        out.append(re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), m.group(0)), line))
+    return out
 
 
 def train_commands(text: str) -> list[str]:
-    """The `paraloom train` and `-m paraloom.worker` lines of the fenced blocks, continuations joined and
-    comments dropped."""
-    lines = []
-    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            line = " ".join(re.sub(r"\s+#.*$", "", line).split())
-            if re.search(r"(^|\s)(paraloom train|-m paraloom\.worker)(\s|$)", line):
-                lines.append(line)
-    return lines
+    """The `paraloom train` and `-m paraloom.worker` lines of a page's fenced blocks."""
+    return [line for block in blocks(text) for line in lines(block)
+            if re.search(r"(^|\s)(paraloom train|-m paraloom\.worker)(\s|$)", line)]
 
 
 def parse(line: str) -> tuple[str | None, list[str], int | None, int]:
     """(config file, overrides as the CLI adds them, workers per node, nodes) of one command."""
     words = shlex.split(line)
-    start = words.index("train") + 1 if "train" in words else words.index("paraloom.worker") + 1
+    worker = "paraloom.worker" in words
+    start = words.index("paraloom.worker") + 1 if worker else words.index("train") + 1
     torchrun = dict(zip(words[:start], words[1:start], strict=False))  # each word and the one after it
     nodes = int(torchrun.get("--nnodes", "1").split(":")[0])
     per_node = int(torchrun["--nproc-per-node"]) if "--nproc-per-node" in torchrun else None
     config, sets, args = None, [], words[start:]
+    known = WORKER_OPTIONS if worker else TRAIN_OPTIONS
     while args:
         arg = args.pop(0)
+        if arg.startswith("-") and arg not in known:
+            raise AssertionError(f"command {line!r}: {arg!r} is no option of "
+                                 f"{'python -m paraloom.worker' if worker else 'paraloom train'}")
         if arg == "--set":
             sets.append(args.pop(0))
+        elif arg == "--run-dir":
+            args.pop(0)
         elif arg == "--nproc":
             per_node = int(args.pop(0))
         elif arg == "--emulate":
@@ -53,33 +75,53 @@ def parse(line: str) -> tuple[str | None, list[str], int | None, int]:
             sets.append("run.trace=true")
         elif arg == "--inject":
             sets.append(f"run.inject={args.pop(0)}")
-        elif not arg.startswith("-") and config is None:
+        elif config is None:
             config = arg
         else:
-            raise AssertionError(f"README command {line!r}: {arg!r} is no option of paraloom train")
+            raise AssertionError(f"command {line!r}: a second config file {arg!r}")
     if per_node is not None:
         sets.append(f"parallel.nproc={per_node}")
     return config, sets, per_node, nodes
 
 
-def test_every_key_the_readme_sets_exists():
+def test_the_pages_are_found():
+    assert "README.md" in PAGES and "docs/guide/torchrun.md" in PAGES and len(PAGES) > 15, sorted(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_key_a_page_sets_exists(page):
     sections = "|".join(SECTIONS)
-    assigned = set(re.findall(rf"(?<![\w./-])((?:{sections})\.[a-z_][a-z_0-9.]*)=", README))
-    assert len(assigned) > 30  # the pattern still finds them
+    assigned = set(re.findall(rf"(?<![\w./-])((?:{sections})\.[a-z_][a-z_0-9.]*)=", PAGES[page]))
     unknown = sorted(key for key in assigned
                      if key not in KEYS and ".".join(key.split(".")[:2]) not in OPTIONS)
-    assert not unknown, f"README sets keys the config does not have: {unknown}"
+    assert not unknown, f"{page} sets keys the config does not have: {unknown}"
 
 
-COMMANDS = [line for line in train_commands(README) if not SKIPPED.search(line)]
+def test_the_pattern_still_finds_keys():
+    sections = "|".join(SECTIONS)
+    assigned = {key for text in PAGES.values()
+                for key in re.findall(rf"(?<![\w./-])((?:{sections})\.[a-z_][a-z_0-9.]*)=", text)}
+    assert len(assigned) > 30
 
 
-def test_the_readme_shows_train_commands():
-    assert len(COMMANDS) >= 20, COMMANDS
+COMMANDS = [(page, line) for page, text in PAGES.items()
+            for line in train_commands(text) if not SKIPPED.search(line)]
 
 
-@pytest.mark.parametrize("line", COMMANDS, ids=[line.replace("paraloom train ", "") for line in COMMANDS])
-def test_a_readme_train_command_passes_the_launchers_checks(line, monkeypatch):
+def test_the_pages_show_train_commands():
+    assert len(COMMANDS) >= 40, COMMANDS
+    assert sum(page == "README.md" for page, _ in COMMANDS) >= 5
+    assert sum("paraloom.worker" in line for _, line in COMMANDS) >= 4  # README's, the guide's, Slurm's, k8s'
+
+
+def short(page: str, line: str) -> str:
+    """A test id: the page, and the command without `paraloom train` or torchrun's rendezvous options."""
+    line = re.sub(r"(torchrun) .*?(?=-m paraloom\.worker)", r"\1 ... ", line.replace("paraloom train ", ""))
+    return f"{page.removeprefix('docs/')}: {line}"[:160]
+
+
+@pytest.mark.parametrize(("page", "line"), COMMANDS, ids=[short(*command) for command in COMMANDS])
+def test_a_train_command_passes_the_launchers_checks(page, line, monkeypatch):
     config, sets, per_node, nodes = parse(line)
     if config is not None and not (ROOT / config).exists():
         pytest.skip(f"{config} is the reader's own file")  # `paraloom plan --emit best.yaml`'s output
@@ -95,13 +137,12 @@ def test_a_readme_train_command_passes_the_launchers_checks(line, monkeypatch):
 
 
 def other_commands(text: str) -> list[list[str]]:
-    """Every `paraloom` command of the fenced blocks but `train`, as argument lists: a placeholder
-    `<...>` stands for a word, and each alternative of an optional `[a | b]` is a command of its own
-    (besides the one without it)."""
+    """Every `paraloom` command of a page's fenced blocks but `train`, as argument lists: a
+    placeholder `<...>` stands for a word, and each alternative of an optional `[a | b]` is a
+    command of its own (besides the one without it)."""
     out = []
-    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
-        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            line = " ".join(re.sub(r"\s+#.*$", "", line).split())
+    for block in blocks(text):
+        for line in lines(block):
             if not re.match(r"^paraloom (?!train\b)\w", line):
                 continue
             line = re.sub(r"<[^>]*>", "x", line)
@@ -112,16 +153,18 @@ def other_commands(text: str) -> list[list[str]]:
     return out
 
 
-OTHERS = other_commands(README)
+OTHERS = [(page, args) for page, text in PAGES.items() for args in other_commands(text)]
 
 
-def test_the_readme_shows_other_commands():
-    assert {args[0] for args in OTHERS} >= {"plan", "calibrate", "history", "report", "cluster", "bench"}
+def test_the_pages_show_other_commands():
+    assert {args[0] for _, args in OTHERS} >= {"plan", "calibrate", "history", "report", "cluster", "bench"}
+    assert any(page == "README.md" for page, _ in OTHERS)
 
 
-@pytest.mark.parametrize("args", OTHERS, ids=[" ".join(args)[:80] for args in OTHERS])
-def test_a_readme_command_parses(args):
-    """Parsed as the CLI parses it, down to its subcommand (nothing runs): an option README shows
+@pytest.mark.parametrize(("page", "args"), OTHERS,
+                         ids=[f"{page.removeprefix('docs/')}: {' '.join(args)}"[:160] for page, args in OTHERS])
+def test_a_command_parses(page, args):
+    """Parsed as the CLI parses it, down to its subcommand (nothing runs): an option a page shows
     that the command does not have, or a value of the wrong type, fails here."""
     import typer
 

@@ -9,17 +9,19 @@ import torch
 import yaml
 
 from paraloom.cli import main
+from paraloom.cli.options import link_timers
 from paraloom.config import Config
 from paraloom.errors import UserError
 from paraloom.perfmodel.cost.device import DISPATCH, without_dispatch
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.from_config import predictable
 from paraloom.perfmodel.hardware import Hardware, Link, load_hardware
-from paraloom.perfmodel.measure.calibrate import build_profile, measure_compute, refine
+from paraloom.perfmodel.measure.calibrate import build_profile, measure_compute
 from paraloom.perfmodel.measure.cpu_host import measure_host
 from paraloom.perfmodel.measure.profile import profile_model
 from paraloom.perfmodel.plan import Plan
 from paraloom.perfmodel.runs.finished import measured_step_seconds, unusable
+from paraloom.perfmodel.runs.refine import refine
 
 PHASES = ("fwd", "bwd")
 OP_CLASSES = ("matmul", "conv", "attention", "other")
@@ -339,7 +341,7 @@ def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(m
     calls = []
     own_fit = {"float32": 1e-4, "float16": 9e-4, "bfloat16": 2e-4}
 
-    def fake_link(cluster, nproc=2, dtype="float32", algorithm="ring"):
+    def fake_link(timers, cluster, nproc=2, dtype="float32", algorithm="ring"):
         calls.append((cluster.nodes, dtype, algorithm))
         c_lat, c_bw = allreduce_coefficients(cluster.nodes, algorithm)
         bandwidth = 1e8 / cluster.nodes / (2 if dtype != "float32" else 1)
@@ -348,7 +350,7 @@ def test_groups_are_measured_per_size_and_wire_dtype_with_gloos_own_all_reduce(m
         return own_fit[dtype], bandwidth * 1.3, rows  # the sweep's own bandwidth is not kept
 
     monkeypatch.setattr(cal, "measure_link", fake_link)
-    out = cal.measure_groups([_Nodes(2), _Nodes(4)])
+    out = cal.measure_groups(link_timers(), [_Nodes(2), _Nodes(4)])
     assert calls == [(n, d, "native") for n in (2, 4) for d in ("float32", "float16", "bfloat16")]
     assert out["allreduce.n2.float32.native.bandwidth"] == pytest.approx(5e7)
     assert out["allreduce.n4.float16.native.bandwidth"] == pytest.approx(1.25e7)
@@ -376,9 +378,10 @@ def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeyp
     def cluster(rate_bits):
         return SimpleNamespace(spec=SimpleNamespace(rate_bits=rate_bits))
 
-    assert cal.sustained_bytes(None) == cal.sustained_bytes(cluster(10**8)) == 1 << 20
-    assert cal.sustained_bytes(cluster(10**9)) == 4 * 10**6
-    assert cal.sustained_bytes(cluster(10**10)) == 4 * 10**7
+    timers = link_timers()
+    assert cal.sustained_bytes(timers, None) == cal.sustained_bytes(timers, cluster(10**8)) == 1 << 20
+    assert cal.sustained_bytes(timers, cluster(10**9)) == 4 * 10**6
+    assert cal.sustained_bytes(timers, cluster(10**10)) == 4 * 10**7
     swept = {}
 
     def fake_run(sizes, **kw):
@@ -386,10 +389,10 @@ def test_the_sustained_bandwidth_is_fitted_past_the_emulated_links_burst(monkeyp
         rows = [{"bytes": s, "seconds": 1e-4 + s / 1e9} for s in sizes]  # alpha-beta exact: 1 GB/s
         return {"results": rows, "config": {"world_size": 2}}
 
-    monkeypatch.setattr("paraloom.bench.collectives.run_collectives", fake_run)
-    alpha, bandwidth, _ = cal.measure_link(cluster(10**10), algorithm="native")
+    timers = replace(timers, collectives=fake_run)
+    alpha, bandwidth, _ = cal.measure_link(timers, cluster(10**10), algorithm="native")
     assert swept["sizes"][-1] == 2**26 and bandwidth == pytest.approx(1e9 * 2 * (2 - 1) / 2, rel=0.05)
-    cal.measure_link(cluster(10**9), algorithm="native")  # fitted on 4 and 16 MiB
+    cal.measure_link(timers, cluster(10**9), algorithm="native")  # fitted on 4 and 16 MiB
     assert swept["sizes"][-1] == 2**24
 
 
@@ -404,9 +407,9 @@ def test_a_links_alpha_is_its_floor_and_a_groups_its_median_repeat(monkeypatch):
                  "seconds_min": 1e-4 + s / 1e8} for s in sizes]
         return {"results": rows, "config": {"world_size": 2}}
 
-    monkeypatch.setattr("paraloom.bench.collectives.run_collectives", fake_run)
+    timers = replace(link_timers(), collectives=fake_run)
     wire = SimpleNamespace(spec=SimpleNamespace(rate_bits=10**8))
-    alpha, bandwidth, _ = cal.measure_link(wire, algorithm="ring", floor=True)
+    alpha, bandwidth, _ = cal.measure_link(timers, wire, algorithm="ring", floor=True)
     assert alpha == pytest.approx(5e-5, rel=1e-6) and bandwidth == pytest.approx(1e8, rel=1e-3)
-    skewed, _, _ = cal.measure_link(wire, algorithm="ring")
+    skewed, _, _ = cal.measure_link(timers, wire, algorithm="ring")
     assert skewed > 5e-4

@@ -12,6 +12,7 @@ import torch
 from distributed import run_workers
 from test_strategies import hardware, model
 
+from paraloom.cli.options import link_timers
 from paraloom.config import load_config
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Link, load_hardware
@@ -204,7 +205,7 @@ def _off(**terms):
 
 
 def test_a_compute_or_update_miss_is_told_apart_as_the_machines_or_the_models(tmp_path):
-    from paraloom.perfmodel.measure.recheck import machine_check
+    from paraloom.perfmodel.runs.recheck import machine_check
 
     predicted, said = _cpu_profile(tmp_path) | {"step_seconds": 0.011}, []
     predicted["terms"]["update"] = 0.001
@@ -420,9 +421,10 @@ def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch
     made = []
     monkeypatch.setattr("paraloom.perfmodel.measure.calibrate.calibrate",
                         lambda **kw: made.append(kw) or (load_hardware("a100-ib-hdr"), {}))
-    path = calibrate.calibrate_once(1, progress=lambda _: None)
+    path = calibrate.calibrate_once(1, progress=lambda _: None, timers=link_timers())
     assert path == machine_profile.cached_path(1) and path.is_file() and len(made) == 1
-    assert calibrate.calibrate_once(1, progress=lambda _: None) == path and len(made) == 1  # once
+    again = calibrate.calibrate_once(1, progress=lambda _: None, timers=link_timers())
+    assert again == path and len(made) == 1  # once
     assert machine_profile.resolve_hardware("auto", 1).name == "a100-ib-hdr"
     assert machine_profile.resolve_hardware("auto", 2) is None  # another thread count: another profile
     assert machine_profile.cached_source("auto", 1) == path
@@ -440,7 +442,7 @@ def test_auto_is_the_cached_calibration_or_the_environment(tmp_path, monkeypatch
     monkeypatch.setenv("PARALOOM_HARDWARE", "none")
     assert machine_profile.resolve_hardware("auto", 1) is None
     assert machine_profile.cached_source("auto", 1) is None
-    assert calibrate.calibrate_once(1, progress=lambda _: None) is None
+    assert calibrate.calibrate_once(1, progress=lambda _: None, timers=link_timers()) is None
 
 
 def _run(rank, world, run_dir, sets):

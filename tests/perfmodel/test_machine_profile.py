@@ -9,6 +9,7 @@ import torch
 from test_contract import SMALL
 
 from paraloom.cli import train as cli_train
+from paraloom.cli.options import link_timers
 from paraloom.config import load_config
 from paraloom.perfmodel.hardware import load_hardware
 from paraloom.perfmodel.measure import calibrate, machine_profile
@@ -114,7 +115,7 @@ def test_a_run_on_an_emulated_cluster_is_priced_with_links_measured_across_one(c
     rates = {"matmul": 5e10, "conv": 2e10, "attention": 2e10, "other": 1e9, "bandwidth": 1e10}
     calls = []
 
-    def measure(*, cluster=None, threads=1, name="", progress=lambda _: None):
+    def measure(*, timers, cluster=None, threads=1, name="", progress=lambda _: None):
         calls.append(cluster)
         return calibrate.build_profile(rates, fast, slow if cluster else fast, name=name, devices_per_node=1,
                                        host_cores=2), {}
@@ -122,12 +123,13 @@ def test_a_run_on_an_emulated_cluster_is_priced_with_links_measured_across_one(c
     monkeypatch.setattr(calibrate, "calibrate", measure)
     said, cfg = [], load_config(None, SMALL)
     threads = threads_per_worker(cfg.parallel.nproc)  # what the launcher measures with
-    path = calibrate.calibrate_once(threads, said.append, cluster=cluster)
+    path = calibrate.calibrate_once(threads, said.append, link_timers(), cluster=cluster)
     assert path == cached_path(threads, link="1gbit") and path.name.endswith(f"-{threads}t-1gbit.yaml")
     assert calls == [cluster]
     assert "across an emulated 1gbit cluster" in said[0]
     assert cli_train._calibrate_once(cfg, cluster) == path  # cached now
-    assert calibrate.calibrate_once(threads, said.append) == cached_path(threads) and calls == [cluster, None]
+    again = calibrate.calibrate_once(threads, said.append, link_timers())
+    assert again == cached_path(threads) and calls == [cluster, None]
     terms = {}
     for name, kwargs in (("loopback", {}), ("cluster", {"cached": path})):
         (tmp_path / name).mkdir()

@@ -32,3 +32,14 @@ def cluster_from_options(name: str | None, emulate: str | None, *, local_nodes: 
     spec = parse_emulate(emulate, name=free_name("emu"))
     with EmulatedCluster(spec) as made:
         yield made
+
+
+def link_timers():
+    """What `paraloom calibrate` times links with, handed to the performance model: the collectives
+    benchmark's all-reduce sweeps and the emulated cluster's one-stream link test."""
+    from paraloom.bench.collectives import run_collectives
+    from paraloom.cluster.emulated import burst_bytes
+    from paraloom.cluster.launch import link_throughput
+    from paraloom.perfmodel.measure.calibrate import LinkTimers
+
+    return LinkTimers(collectives=run_collectives, stream_mb_s=link_throughput, burst_bytes=burst_bytes)

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from paraloom.cli.options import cluster_from_options
+from paraloom.cli.options import cluster_from_options, link_timers
 from paraloom.errors import UserError
 from paraloom.perfmodel.cost.storage import READ_BANDWIDTH
 
@@ -124,6 +124,7 @@ def calibrate(
     from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.measure import calibrate as cal
     from paraloom.perfmodel.runs.finished import unusable
+    from paraloom.perfmodel.runs.refine import refine
 
     if not out.parent.is_dir():
         raise UserError(f"--out {str(out)!r}: directory {str(out.parent)!r} does not exist")
@@ -139,7 +140,7 @@ def calibrate(
             raise UserError("--from refines a profile: name it with --hardware FILE")
         base = load_hardware(hardware)
         runs = _run_dirs(from_, unusable=lambda run: unusable(run, base), say=console.print)
-        hw, points = cal.refine(base, runs)
+        hw, points = refine(base, runs)
         for p in points:
             console.print(_point_line(p))
     else:
@@ -150,8 +151,8 @@ def calibrate(
             raise UserError("--group-sizes measures emulated clusters: give --emulate NODESxRATE too")
         with cluster_from_options(cluster, emulate) as nodes, contextlib.ExitStack() as stack:
             groups = [stack.enter_context(_emulated_like(nodes, n)) for n in sizes if n != nodes.nodes]
-            hw, _ = cal.calibrate(cluster=nodes, devices_per_node=devices_per_node, threads=threads,
-                                  group_clusters=groups, storage=storage,
+            hw, _ = cal.calibrate(timers=link_timers(), cluster=nodes, devices_per_node=devices_per_node,
+                                  threads=threads, group_clusters=groups, storage=storage,
                                   progress=lambda text: console.print(f"measuring {text}"))
     out.write_text(hw.to_yaml())
     read = hw.constants.get(READ_BANDWIDTH)
@@ -165,7 +166,7 @@ def calibrate(
 
 
 def _point_line(point: dict[str, Any]) -> str:
-    """What refining took from one run (`calibrate.refine`'s point of any kind), in one line."""
+    """What refining took from one run (`runs.refine.refine`'s point of any kind), in one line."""
     if "server_s_per_message" in point:  # a parameter-server run
         update = point.get("server_s_per_update")
         return (f"{point['run']}: a server's CPU {point['server_s_per_message'] * 1e6:.0f} us a message"

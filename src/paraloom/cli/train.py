@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from paraloom import prestart
-from paraloom.cli.options import cluster_from_options
+from paraloom.cli.options import cluster_from_options, link_timers
 from paraloom.config import load_config
 from paraloom.config_help import section_keys
 from paraloom.errors import UserError
@@ -125,7 +125,8 @@ def _calibrate_once(cfg, emulated=None) -> Path | None:
     try:
         if _on_gpus(cfg):
             return calibrate_gpu_once(progress=say)
-        return calibrate_once(threads_per_worker(cfg.parallel.nproc), progress=say, cluster=emulated)
+        return calibrate_once(threads_per_worker(cfg.parallel.nproc), progress=say, timers=link_timers(),
+                              cluster=emulated)
     except Exception as exc:  # noqa: BLE001 (the run goes on without predicting itself)
         say(f"note: calibrating this machine failed ({type(exc).__name__}: {exc}); the run will not "
             "predict itself")
@@ -301,7 +302,7 @@ def print_contract(contract: dict | None) -> None:
         say(spread)
     checked = {}
     if missed and predicted.get("hardware_threads"):  # this machine's CPU profile: which remedy?
-        from paraloom.perfmodel.measure.recheck import machine_check
+        from paraloom.perfmodel.runs.recheck import machine_check
 
         checked = machine_check(predicted, measured, missed, progress=say)
         for line in checked.values():

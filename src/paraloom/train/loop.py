@@ -25,6 +25,7 @@ from paraloom.config import Config
 from paraloom.config_faults import parse_faults
 from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
 from paraloom.errors import UserError
+from paraloom.files import write_json
 from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.runs import history
 from paraloom.perfmodel.runs.contract import TERMS, Contract, load_or_predict, report
@@ -35,7 +36,7 @@ from paraloom.train.checkpointing import Checkpoints
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.health import Health
-from paraloom.train.metrics import MetricsLogger, memory_mb, save_state, write_json
+from paraloom.train.metrics import MetricsLogger, memory_mb, save_state
 from paraloom.train.progress import TrainProgress
 from paraloom.train.recipe import planned_steps, steps_per_epoch
 from paraloom.train.resize_policy import resized_config

@@ -35,13 +35,6 @@ class MetricsLogger:
             self._tb.close()
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def save_state(path: Path, state: dict[str, torch.Tensor]) -> None:
     """torch.save through a temporary file and a rename, so a crash leaves no torn file."""
     tmp = path.with_name(path.name + ".tmp")

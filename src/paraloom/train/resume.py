@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paraloom.train.metrics import write_json
+from paraloom.files import write_json
 
 _IMPORTED_AT = time.time()
 PROGRESS = "progress"  # rank 0's last finished step, overwritten in place every step

@@ -150,7 +150,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     data = profile.input_bytes * global_batch / plan.dp / loading
     overhead = hw.constants.get("step_overhead_s", 0.0) * slow
     # replicas that synchronize every step wait for the slowest and pay the engine's per-step work:
-    # a constant refined from a measured data-parallel run (calibrate.sync_residual), 0 otherwise
+    # a constant refined from a measured data-parallel run (runs.refine.sync_residual), 0 otherwise
     synchronous = plan.dp > 1 and not (plan.servers and plan.consistency != "bsp")
     barriers = 1 + _flag_guard(plan, opts)
     sync = hw.constants.get(SYNC_OVERHEAD, 0.0) * slow * barriers if synchronous else 0.0

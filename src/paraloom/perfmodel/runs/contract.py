@@ -241,9 +241,9 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     reads (the launcher's, for a run on an emulated cluster: its links measured across one)."""
     import json
 
+    from paraloom.files import write_json
     from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.measure.machine_profile import cached_source, resolve_hardware
-    from paraloom.train.metrics import write_json
 
     path = run_dir / PREDICTION
     if path.is_file():
