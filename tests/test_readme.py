@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paraloom.config import Config, load_config
-from paraloom.preflight import preflight
+from paraloom.run.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
@@ -21,7 +21,7 @@ KEYS = {f"{section}.{key.name}" for section in SECTIONS
         for key in dataclasses.fields(getattr(Config(), section))}
 OPTIONS = {"model.options", "data.options", "optim.options"}  # dicts: any key under them is the factory's
 SKIPPED = re.compile(r"[<\[]|--help|--resume|--cluster")  # placeholders, or a run or cluster of the reader's
-TRAIN_OPTIONS = {"--set", "--nproc", "--emulate", "--trace", "--inject"}  # `paraloom train`'s, less the skipped
+TRAIN_OPTIONS = {"--set", "--nproc", "--emulate", "--trace", "--inject"}  # `paraloom train`'s, less SKIPPED
 WORKER_OPTIONS = {"--set", "--run-dir"}  # `python -m paraloom.worker`'s
 
 
@@ -162,7 +162,7 @@ def test_the_pages_show_other_commands():
 
 
 @pytest.mark.parametrize(("page", "args"), OTHERS,
-                         ids=[f"{page.removeprefix('docs/')}: {' '.join(args)}"[:160] for page, args in OTHERS])
+                         ids=[short(page, " ".join(args)) for page, args in OTHERS])
 def test_a_command_parses(page, args):
     """Parsed as the CLI parses it, down to its subcommand (nothing runs): an option a page shows
     that the command does not have, or a value of the wrong type, fails here."""
