@@ -14,9 +14,9 @@ from clusters import free_name
 from common import write_json
 from rich.console import Console
 
-from paraloom.bench.collectives import parse_sizes, report_table, run_collectives
-from paraloom.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.bench.allreduce_sweep import parse_sizes, report_table, run_collectives
 from paraloom.cluster import EmulatedCluster, parse_emulate
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS
 
 
 def main(argv: list[str] | None = None) -> int:

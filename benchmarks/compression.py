@@ -12,7 +12,7 @@ Rows (the emulated ones need root): 4 nodes at 1 Gbit/s, every variant; 4 nodes 
 every variant but the four whose encode+decode alone costs more than DDP's whole 1 Gbit/s step
 on this CPU (qsgd, onebit, efsign, randomk: 250-310 ms single-threaded; listed in SLOW_CODECS),
 which therefore cannot help on a faster link (`--loopback`: 4 workers on loopback, one row).
-Variants, taking turns in one process group (paraloom.bench.compression): torch DDP fp32, DDP with
+Variants, taking turns in one process group (paraloom.bench.compression_speed): torch DDP fp32, DDP with
 torch's fp16_compress_hook, paraloom's wait_free engine uncompressed, and the engine with every
 registered compressor at its defaults (DGC with momentum correction, which replaces the
 optimizer's momentum) plus PowerSGD at rank 4 from the third step, and top-k and DGC at density
@@ -37,7 +37,7 @@ from clusters import emulated
 from common import make_table, write_json
 from rich.console import Console
 
-from paraloom.bench.compression import VARIANTS, run
+from paraloom.bench.compression_speed import VARIANTS, run
 
 MODEL = {"hidden": 2048, "depth": 3, "batch": 32, "lr": 0.03, "optimizer": "sgd", "cosine": True,
          "evals_per_epoch": 4}

@@ -43,7 +43,7 @@ import yaml
 from common import make_table, write_json
 from rich.console import Console
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import OP_CLASSES, Hardware
 from paraloom.perfmodel.measure.profile import profile_model

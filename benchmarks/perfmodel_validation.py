@@ -34,7 +34,7 @@
    (or within 5% of it); each run's own prediction, written before its first step from the
    refined profile (`run.hardware`); and the white box (the calibration's profile before any
    refinement), the grey box (its terms scaled by factors fitted to the other configurations)
-   and the black box (a regression fitted to them), leave-one-out (`perfmodel/fitted.py`).
+   and the black box (a regression fitted to them), leave-one-out (`perfmodel/runs/fitted.py`).
 """
 
 from __future__ import annotations

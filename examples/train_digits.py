@@ -3,8 +3,8 @@
 import time
 
 from paraloom.config import load_config
-from paraloom.launch import launch_local
-from paraloom.rundir import new_run_dir
+from paraloom.run.directory import new_run_dir
+from paraloom.run.launch import launch_local
 
 if __name__ == "__main__":  # workers are spawned: keep the launch under the main guard
     cfg = load_config("examples/digits_dp.yaml", ["optim.epochs=4"])

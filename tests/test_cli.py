@@ -103,7 +103,7 @@ def test_worker_module_runs_under_torchrun(tmp_path):
                                       "comm": {"interface": "lo"}}))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "paraloom.worker", str(config), "--run-dir", str(tmp_path / "tr")],
+         "-m", "paraloom.run.worker", str(config), "--run-dir", str(tmp_path / "tr")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     _check_run_dir(tmp_path / "tr", steps=4, log_every=2)
@@ -117,7 +117,7 @@ def test_a_peer_lost_under_torchrun_is_one_line_not_a_traceback(tmp_path):
                                       "run": {"inject": "hang:rank=1,step=3"}}))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "paraloom.worker", str(config), "--run-dir", str(tmp_path / "hang")],
+         "-m", "paraloom.run.worker", str(config), "--run-dir", str(tmp_path / "hang")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "stopped answering" in line]

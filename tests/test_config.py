@@ -2,8 +2,9 @@
 
 import pytest
 
-from paraloom.config import CommConfig, Config, dump_config, load_config, parse_overrides, read_yaml
-from paraloom.errors import UserError
+from paraloom.config import CommConfig, Config, dump_config, load_config
+from paraloom.config.errors import UserError
+from paraloom.config.yaml_io import parse_overrides, read_yaml
 
 
 def test_defaults_are_the_main_job():

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paraloom.cli import main
-from paraloom.config_help import section_keys
+from paraloom.config.help import section_keys
 
 KEYS = {section: {key: (kind, default) for key, kind, default, _ in rows}
         for section, rows in section_keys().items()}

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from paraloom import launch, prestart
 from paraloom.cli import train as cli_train
 from paraloom.config import load_config
-from paraloom.errors import WorkersFailed
+from paraloom.config.errors import WorkersFailed
+from paraloom.run import launch, prestart
 
 
 def _where_am_i(fail_first: bool) -> dict:
@@ -98,7 +98,7 @@ def test_a_first_use_calibration_runs_before_the_forkserver_starts(monkeypatch, 
         cli_train.train(set_=["run.device=cpu"], nproc=2)
     assert calls == ["calibrate", "start"]
     calls.clear()
-    from paraloom.config_world import threads_per_worker
+    from paraloom.config.sections import threads_per_worker
     from paraloom.perfmodel.measure.machine_profile import cached_path
 
     cached_path(threads_per_worker(2)).write_text("{}")  # a profile cached: the server starts at once

@@ -1,5 +1,5 @@
 """README's and the documentation site's commands stay true: every key a page sets exists, every
-`paraloom train` and `torchrun ... -m paraloom.worker` command it shows builds its config and passes
+`paraloom train` and `torchrun ... -m paraloom.run.worker` command it shows builds its config and passes
 the checks the launcher runs before any worker starts, and every other `paraloom` command it shows
 parses (its subcommands, options and their values' types)."""
 
@@ -22,7 +22,7 @@ KEYS = {f"{section}.{key.name}" for section in SECTIONS
 OPTIONS = {"model.options", "data.options", "optim.options"}  # dicts: any key under them is the factory's
 SKIPPED = re.compile(r"[<\[]|--help|--resume|--cluster")  # placeholders, or a run or cluster of the reader's
 TRAIN_OPTIONS = {"--set", "--nproc", "--emulate", "--trace", "--inject"}  # `paraloom train`'s, less SKIPPED
-WORKER_OPTIONS = {"--set", "--run-dir"}  # `python -m paraloom.worker`'s
+WORKER_OPTIONS = {"--set", "--run-dir"}  # `python -m paraloom.run.worker`'s
 
 
 def blocks(text: str) -> list[str]:
@@ -43,16 +43,16 @@ def lines(block: str) -> list[str]:
 
 
 def train_commands(text: str) -> list[str]:
-    """The `paraloom train` and `-m paraloom.worker` lines of a page's fenced blocks."""
+    """The `paraloom train` and `-m paraloom.run.worker` lines of a page's fenced blocks."""
     return [line for block in blocks(text) for line in lines(block)
-            if re.search(r"(^|\s)(paraloom train|-m paraloom\.worker)(\s|$)", line)]
+            if re.search(r"(^|\s)(paraloom train|-m paraloom\.run\.worker)(\s|$)", line)]
 
 
 def parse(line: str) -> tuple[str | None, list[str], int | None, int]:
     """(config file, overrides as the CLI adds them, workers per node, nodes) of one command."""
     words = shlex.split(line)
-    worker = "paraloom.worker" in words
-    start = words.index("paraloom.worker") + 1 if worker else words.index("train") + 1
+    worker = "paraloom.run.worker" in words
+    start = words.index("paraloom.run.worker") + 1 if worker else words.index("train") + 1
     torchrun = dict(zip(words[:start], words[1:start], strict=False))  # each word and the one after it
     nodes = int(torchrun.get("--nnodes", "1").split(":")[0])
     per_node = int(torchrun["--nproc-per-node"]) if "--nproc-per-node" in torchrun else None
@@ -62,7 +62,7 @@ def parse(line: str) -> tuple[str | None, list[str], int | None, int]:
         arg = args.pop(0)
         if arg.startswith("-") and arg not in known:
             raise AssertionError(f"command {line!r}: {arg!r} is no option of "
-                                 f"{'python -m paraloom.worker' if worker else 'paraloom train'}")
+                                 f"{'python -m paraloom.run.worker' if worker else 'paraloom train'}")
         if arg == "--set":
             sets.append(args.pop(0))
         elif arg == "--run-dir":
@@ -111,12 +111,13 @@ COMMANDS = [(page, line) for page, text in PAGES.items()
 def test_the_pages_show_train_commands():
     assert len(COMMANDS) >= 40, COMMANDS
     assert sum(page == "README.md" for page, _ in COMMANDS) >= 5
-    assert sum("paraloom.worker" in line for _, line in COMMANDS) >= 4  # README's, the guide's, Slurm's, k8s'
+    assert sum("paraloom.run.worker" in line for _, line in COMMANDS) >= 4  # README, guide, Slurm, k8s
 
 
 def short(page: str, line: str) -> str:
     """A test id: the page, and the command without `paraloom train` or torchrun's rendezvous options."""
-    line = re.sub(r"(torchrun) .*?(?=-m paraloom\.worker)", r"\1 ... ", line.replace("paraloom train ", ""))
+    line = line.replace("paraloom train ", "")
+    line = re.sub(r"(torchrun) .*?(?=-m paraloom\.run\.worker)", r"\1 ... ", line)
     return f"{page.removeprefix('docs/')}: {line}"[:160]
 
 

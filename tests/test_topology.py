@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_workers
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.topology import AXES, Topology
 
 

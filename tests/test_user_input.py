@@ -89,7 +89,7 @@ def test_bad_user_code_is_one_line_and_exit_2_before_any_worker(argv, message, c
 
 def test_a_run_of_user_factories_is_named_without_colons():
     from paraloom.config import load_config
-    from paraloom.rundir import default_name
+    from paraloom.run.directory import default_name
 
     name = default_name(load_config(None, ["model.name=pkg.models:make", "data.name=data:make"]), 2)
     assert name.startswith("pkg.models.make-data.make-dp2-") and ":" not in name

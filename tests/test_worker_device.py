@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from paraloom.errors import UserError
-from paraloom.worker import cuda_index
+from paraloom.config.errors import UserError
+from paraloom.run.worker import cuda_index
 
 
 def test_ranks_take_a_gpu_each_or_share_them_under_gloo():
@@ -32,7 +32,7 @@ def test_nccl_timeouts_abort_the_communicator_so_the_loop_sees_them(monkeypatch,
     import torch.distributed as dist
 
     from paraloom.config import CommConfig
-    from paraloom.worker import init_distributed
+    from paraloom.run.worker import init_distributed
 
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", given or "")  # restored after the test

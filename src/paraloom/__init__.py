@@ -4,7 +4,7 @@ from importlib import import_module
 from typing import Any
 
 from paraloom.config import Config, load_config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 __all__ = ["Config", "DataParallel", "DataParallelNaive", "DistributedOptimizer", "RankGroups", "Topology",
            "UserError", "load_config"]

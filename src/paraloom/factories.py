@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def _first_line(exc: BaseException) -> str:

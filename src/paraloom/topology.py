@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from paraloom.comm.collectives import default_timeout
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 AXES = ("pp", "dp", "tp")  # outermost to innermost: tp neighbours are adjacent ranks (Megatron order)
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from paraloom.bench.harness import PartialResults, launch, resolve
-from paraloom.errors import WorkersFailed
+from paraloom.config.errors import WorkersFailed
 
 
 def _echo(options, save):
@@ -34,4 +34,4 @@ def test_a_failed_run_keeps_what_was_saved_only_when_asked():
 
 def test_a_worker_name_is_module_colon_function():
     with pytest.raises(ValueError, match="package.module:function"):
-        resolve("paraloom.bench.collectives.measure")
+        resolve("paraloom.bench.allreduce_sweep.measure")

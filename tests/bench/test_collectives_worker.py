@@ -2,7 +2,7 @@
 
 import pytest
 
-from paraloom.bench.collectives import run_collectives
+from paraloom.bench.allreduce_sweep import run_collectives
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from paraloom.bench.compression import VARIANTS, bench_optimizer, codec_seconds, dgc_momentum, engine_variant
+from paraloom.bench.compression_speed import (
+    VARIANTS,
+    bench_optimizer,
+    codec_seconds,
+    dgc_momentum,
+    engine_variant,
+)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

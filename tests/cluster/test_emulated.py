@@ -15,7 +15,7 @@ from scripts import run_script
 
 from paraloom.cli import main
 from paraloom.cluster import ClusterSpec, EmulatedCluster, list_clusters, parse_rate
-from paraloom.cluster.launch import link_throughput
+from paraloom.cluster.torchrun import link_throughput
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_without_root_it_is_one_line_and_exit_2():
 def test_train_on_an_emulated_cluster_with_a_hand_written_all_reduce(tmp_path, monkeypatch):
     """Also: the run is priced from this machine's profile for 1 Gbit/s emulated links (cached here
     beforehand, so nothing is calibrated), never from loopback's."""
-    from paraloom.config_world import threads_per_worker
+    from paraloom.config.sections import threads_per_worker
     from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.measure.machine_profile import cached_path
 
@@ -237,7 +237,7 @@ def test_collectives_benchmark_quick(tmp_path):
 
 
 def test_collective_traffic_really_crosses_the_shaped_links():
-    from paraloom.bench.collectives import run_collectives
+    from paraloom.bench.allreduce_sweep import run_collectives
 
     spec = ClusterSpec(2, parse_rate("100mbit"), _name())
     with EmulatedCluster(spec) as cluster:

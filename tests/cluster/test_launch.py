@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from paraloom.cluster.launch import _wait_all
-from paraloom.errors import WorkersFailed
+from paraloom.cluster.torchrun import _wait_all
+from paraloom.config.errors import WorkersFailed
 
 
 def test_failed_node_error_quotes_its_log(tmp_path):

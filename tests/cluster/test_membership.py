@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from paraloom.cli import main
-from paraloom.cluster.launch import _wait_all
-from paraloom.errors import WorkersFailed
+from paraloom.cluster.torchrun import _wait_all
+from paraloom.config.errors import WorkersFailed
 
 pytestmark = pytest.mark.netns
 # digits, 23 steps an epoch

@@ -2,10 +2,10 @@
 
 import pytest
 
-from paraloom.bench.collectives import format_size, parse_sizes
+from paraloom.bench.allreduce_sweep import format_size, parse_sizes
 from paraloom.cluster import ClusterSpec, parse_emulate, parse_rate
 from paraloom.cluster.spec import format_rate
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 @pytest.mark.parametrize(("text", "bits"), [("1gbit", 10**9), ("100mbit", 10**8), ("10Gbit", 10**10),

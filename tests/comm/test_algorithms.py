@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 from distributed import run_workers
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS
 from paraloom.comm.algorithms import all_gather, all_reduce, block_of, reduce_scatter
-from paraloom.errors import UserError
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.config.errors import UserError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64)
 OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)

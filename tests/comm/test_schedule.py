@@ -6,8 +6,8 @@ import torch
 from paraloom.comm.executor import CommThread, Executor
 from paraloom.comm.policies import CommTask, FifoScheduler, WaitFreeScheduler
 from paraloom.comm.schedulers import make_scheduler
+from paraloom.config.errors import UserError
 from paraloom.data_parallel.bucket import assign_buckets
-from paraloom.errors import UserError
 
 
 def test_wait_free_launches_the_ready_prefix_in_key_order():

@@ -11,7 +11,7 @@ from paraloom.compress.base import (
     unpack_bits,
     unpack_nibbles,
 )
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1000])

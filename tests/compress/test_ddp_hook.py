@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 import paraloom.compress.ddp as hook_module
 from paraloom.compress.base import COMPRESSORS
 from paraloom.compress.ddp import compression_hook, ddp_hook, hook_names
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 CAP_MB = 0.002  # ~2 KB: after DDP's first-step rebuild the 1860 parameters fall into two buckets
 ALL_NAMES = ["fp16", "bf16", "qsgd", "onebit", "efsign", "topk", "randomk", "dgc", "powersgd"]

@@ -11,7 +11,7 @@ from paraloom.compress.base import COMPRESSORS, make_compressor
 from paraloom.compress.dgc import DGCCompressor
 from paraloom.compress.powersgd import PowerSGDState, orthogonalize
 from paraloom.compress.topk import RandomKCompressor, TopKCompressor
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def _gen(seed):

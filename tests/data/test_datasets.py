@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from paraloom.config.errors import UserError
 from paraloom.data import load_dataset
-from paraloom.errors import UserError
 
 
 def test_digits_split_is_fixed_stratified_and_scaled():

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
+from paraloom.config.errors import UserError
 from paraloom.data import ShardedBatches, ShardedBatchSampler
-from paraloom.errors import UserError
 
 CASES = [(9, 4, 4), (10, 4, 1), (11, 4, 2), (19, 6, 3), (17, 8, 4), (5, 2, 4), (64, 16, 4)]
 

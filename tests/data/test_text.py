@@ -6,9 +6,9 @@ import zlib
 import pytest
 import torch
 
+from paraloom.config.errors import UserError
 from paraloom.data.split import Split
 from paraloom.data.text import VOCAB, load_text, stdlib_files, unigram_loss, windows
-from paraloom.errors import UserError
 
 SEQ_LEN, TEXT_BYTES = 64, 20_000
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from paraloom.config.errors import UserError
+from paraloom.config.rules import is_factory
 from paraloom.data import (
     DataSets,
     ShardedBatchSampler,
@@ -14,8 +16,6 @@ from paraloom.data import (
     make_synthetic,
     split_datasets,
 )
-from paraloom.errors import UserError
-from paraloom.rules import is_factory
 
 HERE = __name__  # pytest imports this file as a top-level module: `test_user_data:make_data` names it
 

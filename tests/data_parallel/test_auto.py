@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from distributed import run_workers
 
 from paraloom.config import load_config
+from paraloom.config.errors import UserError
 from paraloom.data_parallel import DataParallel
 from paraloom.data_parallel.auto import CANDIDATES, MARGIN, TRIAL_STEPS, fastest, trial_steps
-from paraloom.errors import UserError
 from paraloom.models import MLP
 
 STEPS = TRIAL_STEPS + 6

@@ -7,10 +7,10 @@ import torch
 from distributed import run_workers
 from dp_reference import reference, setup, steps
 
-from paraloom.choices import COMPRESSORS as COMPRESSOR_NAMES
+from paraloom.config.choices import COMPRESSORS as COMPRESSOR_NAMES
+from paraloom.config.errors import UserError
 from paraloom.data_parallel import DataParallel
-from paraloom.errors import UserError
-from paraloom.train.recipe import batch_loss
+from paraloom.train.loss_eval import batch_loss
 
 TINY = 1e-6  # MB: one bucket per parameter tensor
 SCHEDULERS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},

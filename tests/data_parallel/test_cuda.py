@@ -43,7 +43,7 @@ def _train(rank, world, options, plain, optimizer_name="adam"):
     """STEPS steps of the cnn on digits on this rank's GPU, through the engine (or, with `plain`, a
     plain loop on the whole batch); losses and parameters come back on the CPU."""
     from paraloom.data_parallel import DataParallel
-    from paraloom.train.recipe import batch_loss
+    from paraloom.train.loss_eval import batch_loss
 
     device = _deterministic()
     split, model, optimizer = setup("cnn", optimizer_name)  # Adam makes its state on the GPU
@@ -109,7 +109,7 @@ def test_join_and_unused_parameters_on_gpu_tensors_as_ddp():
 
 def _compressed(rank, world, compressor):
     from paraloom.data_parallel import DataParallel
-    from paraloom.train.recipe import batch_loss
+    from paraloom.train.loss_eval import batch_loss
 
     device = _deterministic()
     split, model, optimizer = setup("cnn", "sgd")
@@ -229,7 +229,7 @@ def _steady_steps_without_sync(rank, world, options):
     """Steps 4 to 6 of the engine under CUDA's sync debug mode "error": any wait of the host for the
     device (`.item()`, a data-sized op, a blocking copy) raises instead of stalling silently."""
     from paraloom.data_parallel import DataParallel
-    from paraloom.train.recipe import batch_loss
+    from paraloom.train.loss_eval import batch_loss
 
     device = torch.device("cuda", torch.cuda.current_device())
     split, model, optimizer = setup("cnn", "sgd")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from distributed import run_workers
 
 from paraloom import DataParallel, DistributedOptimizer
-from paraloom.choices import ALL_REDUCE_ALGORITHMS
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH_IMPORT = "from torch.nn.parallel import DistributedDataParallel as DDP"

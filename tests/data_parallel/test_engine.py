@@ -7,7 +7,7 @@ from distributed import run_workers
 from dp_reference import reference, setup, steps
 
 from paraloom.data_parallel import DataParallel, DataParallelNaive
-from paraloom.train.recipe import batch_loss
+from paraloom.train.loss_eval import batch_loss
 
 STEPS = 10
 TINY, HUGE = 1e-6, 25.0  # MB: one bucket per parameter / one bucket for the whole model

@@ -21,9 +21,9 @@ from distributed import run_workers
 from dp_reference import setup, steps
 
 import paraloom.compress.dgc as dgc
-from paraloom.choices import COMPRESSORS
+from paraloom.config.choices import COMPRESSORS
 from paraloom.data_parallel import DataParallel
-from paraloom.train.recipe import batch_loss
+from paraloom.train.loss_eval import batch_loss
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 DATA_SIZED = ("nonzero", "argwhere", "masked_select", "unique")  # torch.<name> and Tensor.<name>

@@ -7,7 +7,7 @@ from distributed import run_workers
 from dp_reference import reference, setup, steps
 
 from paraloom.data_parallel import DataParallelNaive
-from paraloom.train.recipe import batch_loss
+from paraloom.train.loss_eval import batch_loss
 
 
 def _data_parallel(rank, world, model_name, opt_name, n, algorithm="native"):

@@ -14,12 +14,12 @@ from distributed import run_workers
 from dp_reference import setup, steps
 
 from paraloom.config import load_config
+from paraloom.config.errors import UserError
 from paraloom.data import load_dataset
 from paraloom.data_parallel import DataParallel, DistributedOptimizer
-from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.train import train
-from paraloom.train.recipe import batch_loss
+from paraloom.train.loss_eval import batch_loss
 
 STEPS = 10
 N = 100  # training samples used: batches of 24, 24, 24, 24 and a short one of 4 per epoch

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.optim.groups import decay_groups, mark_no_decay, no_decay_patterns
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.optim import scaled_lr
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from paraloom import choices
-from paraloom.errors import UserError
+from paraloom.config import choices
+from paraloom.config.errors import UserError
 from paraloom.optim import SCHEDULES, lr_factor, make_schedule
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from paraloom import choices
-from paraloom.errors import UserError
+from paraloom.config import choices
+from paraloom.config.errors import UserError
 from paraloom.optim import LAMB, LARS, check_optimizer, make_optimizer, optimizer_names
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from paraloom.choices import FIXED_SIZE_COMPRESSORS
 from paraloom.compress import make_compressor
-from paraloom.errors import UserError
+from paraloom.config.choices import FIXED_SIZE_COMPRESSORS
+from paraloom.config.errors import UserError
 from paraloom.parameter_server.message import (
     DONE,
     NONFINITE,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_workers
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.parameter_server import (
     ParameterServer,
     PSClient,

@@ -5,7 +5,7 @@ import torch
 from distributed import run_workers
 
 from paraloom.config import load_config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.train import train
 from paraloom.train.strategies import data_parallel, parameter_server
 

@@ -11,7 +11,7 @@ import yaml
 from paraloom.cli import main
 from paraloom.cli.options import link_timers
 from paraloom.config import Config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.device import DISPATCH, without_dispatch
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.from_config import predictable

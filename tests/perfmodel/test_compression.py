@@ -5,11 +5,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from paraloom.choices import COMPRESSORS as COMPRESSOR_NAMES
 from paraloom.compress import COMPRESSORS, make_compressor
 from paraloom.compress.powersgd import PowerSGDState
+from paraloom.config.choices import COMPRESSORS as COMPRESSOR_NAMES
+from paraloom.config.errors import UserError
 from paraloom.data_parallel.lowrank import PowerSGDReducer
-from paraloom.errors import UserError
 from paraloom.perfmodel.cost.compression import (
     compressed_bytes,
     compressed_sync_time,

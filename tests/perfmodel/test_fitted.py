@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.runs import fitted, history
 from paraloom.perfmodel.runs.contract import TERMS
 

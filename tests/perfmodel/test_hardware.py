@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.hardware import (
     Device,
     Hardware,

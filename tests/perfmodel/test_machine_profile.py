@@ -106,7 +106,7 @@ def test_a_run_on_an_emulated_cluster_is_priced_with_links_measured_across_one(c
     and prices the run from that profile before launch, also when it resizes; loopback's stays."""
     from types import SimpleNamespace
 
-    from paraloom.config_world import threads_per_worker
+    from paraloom.config.sections import threads_per_worker
     from paraloom.perfmodel.hardware import Link
     from paraloom.perfmodel.runs.contract import replan
 

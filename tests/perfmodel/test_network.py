@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
-from paraloom.errors import UserError
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.network import (
     allgather_time,
     allreduce_coefficients,

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from paraloom.choices import MODELLED_ALGORITHMS
 from paraloom.cli import main
 from paraloom.config import load_config
-from paraloom.errors import UserError
+from paraloom.config.choices import MODELLED_ALGORITHMS
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import load_hardware
 from paraloom.perfmodel.measure.profile import profile_model

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel import build_from_spec, profile_model
 from paraloom.perfmodel.model_profile import OP_CLASSES
 
@@ -94,7 +94,7 @@ def test_gpt_activation_bytes_match_a_real_cpu_run():
 
 
 def test_the_emulated_autocast_saves_what_torchs_autocast_saves():
-    """On the meta device the profile casts as autocast does (perfmodel/autocast.py); a real run of
+    """On the meta device the profile casts as autocast does (perfmodel/measure/autocast.py); a real run of
     the blocks under torch.autocast on the CPU saves the same bytes per sample."""
     torch.manual_seed(0)
     model, make_input = build_from_spec(GPT_SMALL, device="cpu")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.memory import activation_share, in_flight
 from paraloom.perfmodel.cost.network import allreduce_time
 from paraloom.perfmodel.cost.step_time import estimate, split_stages

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.models.gpt import GPT
 from paraloom.pipeline_parallel.partition import balance_by_params, balance_by_time, stage_module
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_workers
 
+from paraloom.config.errors import UserError
 from paraloom.data_parallel import DataParallel
-from paraloom.errors import UserError
 from paraloom.models.gpt import GPT
 from paraloom.pipeline_parallel import (
     Chunks,

@@ -9,7 +9,7 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.models.gpt import GPT
 from paraloom.models.mlp import MLP
 from paraloom.sparse import MagnitudePruner, SparsitySchedule, cubic_sparsity, is_prune_step

@@ -8,8 +8,8 @@ from distributed import run_workers
 from torch import nn
 from torch.testing import assert_close
 
+from paraloom.config.errors import UserError
 from paraloom.data_parallel import DataParallel
-from paraloom.errors import UserError
 from paraloom.models.gpt import GPT
 from paraloom.tensor_parallel import (
     ColumnParallelLinear,

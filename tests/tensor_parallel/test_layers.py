@@ -7,7 +7,7 @@ from distributed import run_workers
 from torch import nn
 from torch.testing import assert_close
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

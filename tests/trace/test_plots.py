@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.trace import Timeline
 from paraloom.trace.plots import load_spans, render_metrics, render_timeline
 

@@ -10,8 +10,8 @@ from distributed import run_workers
 
 from paraloom.cli import main
 from paraloom.config import load_config
-from paraloom.errors import UserError
-from paraloom.rundir import new_run_dir
+from paraloom.config.errors import UserError
+from paraloom.run.directory import new_run_dir
 
 
 def _one_error_line(capsys, message):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from paraloom.config import load_config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.optim.ema import WeightAverage
 from paraloom.train import train
 from paraloom.train.checkpoint import step_dir

@@ -2,8 +2,8 @@
 
 import pytest
 
-from paraloom.config_faults import Fault, check_faults, parse_faults
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
+from paraloom.config.fault_specs import Fault, check_faults, parse_faults
 from paraloom.train.faults import FaultInjector
 
 

@@ -14,8 +14,8 @@ from distributed import run_workers
 from torch.testing import assert_close
 
 from paraloom.config import load_config
+from paraloom.config.errors import UserError
 from paraloom.data import ShardedBatchSampler
-from paraloom.errors import UserError
 from paraloom.models import build_model
 from paraloom.train import train
 

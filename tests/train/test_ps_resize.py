@@ -8,7 +8,7 @@ import torch
 from distributed import run_workers
 
 from paraloom.config import load_config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.parameter_server.resplit import recut
 from paraloom.parameter_server.server import ParameterServer
 from paraloom.perfmodel.measure.machine_profile import resolve_hardware

@@ -89,7 +89,7 @@ def test_a_model_parallel_checkpoint_goes_on_on_another_grid(saved, resumed, tmp
 
 
 def _run_or_refuse(rank, world, settings, run_dir):
-    from paraloom.errors import UserError
+    from paraloom.config.errors import UserError
 
     try:
         _run(rank, world, settings, run_dir)

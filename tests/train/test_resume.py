@@ -14,7 +14,7 @@ from distributed import run_workers
 
 from paraloom.data import ShardedBatches, load_dataset
 from paraloom.data_parallel import DataParallel
-from paraloom.data_parallel.checkpoint import engine_state, load_engine_state
+from paraloom.data_parallel.replica_state import engine_state, load_engine_state
 from paraloom.models import build_model
 from paraloom.optim import make_optimizer
 

@@ -37,8 +37,8 @@ def launch(worker: str, options: dict[str, Any], *, cluster=None, nproc: int = 4
     carrying what was saved (without it, or with nothing saved, the failure itself is raised).
     Node logs and results live in a temporary directory, removed on return.
     """
-    from paraloom.cluster.launch import BENCH_RESTARTS, torchrun_on_cluster
-    from paraloom.launch import elastic_run
+    from paraloom.cluster.torchrun import BENCH_RESTARTS, torchrun_on_cluster
+    from paraloom.run.launch import elastic_run
 
     resolve(worker)  # a wrong name fails here, once, not in every worker
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
@@ -105,6 +105,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from paraloom.worker import exit_process
+    from paraloom.run.worker import exit_process
 
     exit_process(main())  # see exit_process: a finished worker must not abort in teardown

@@ -10,7 +10,7 @@ import sys
 import typer
 
 from paraloom.cli import bench, cluster, perf, report, train
-from paraloom.errors import UserError, WorkersFailed
+from paraloom.config.errors import UserError, WorkersFailed
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Parallel deep-learning training on PyTorch.")

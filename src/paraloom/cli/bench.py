@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from paraloom.choices import WIRE_DTYPES
 from paraloom.cli.options import cluster_from_options
-from paraloom.errors import UserError
-from paraloom.rules import check_name
+from paraloom.config.choices import WIRE_DTYPES
+from paraloom.config.errors import UserError
+from paraloom.config.rules import check_name
 
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks.")
 
@@ -31,7 +31,7 @@ def bench_collectives(
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
 ) -> None:
     """All-reduce algorithms against the backend's own: time, algbw and busbw per size."""
-    from paraloom.bench.collectives import parse_sizes, report_table, run_collectives
+    from paraloom.bench.allreduce_sweep import parse_sizes, report_table, run_collectives
     from paraloom.comm.algorithms import check_algorithm
 
     names = [a.strip() for a in algorithms.split(",") if a.strip()]

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 cluster_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
                           help="Emulated cluster: network namespaces joined by shaped links (needs root).")

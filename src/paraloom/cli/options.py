@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 @contextlib.contextmanager
@@ -37,9 +37,9 @@ def cluster_from_options(name: str | None, emulate: str | None, *, local_nodes: 
 def link_timers():
     """What `paraloom calibrate` times links with, handed to the performance model: the collectives
     benchmark's all-reduce sweeps and the emulated cluster's one-stream link test."""
-    from paraloom.bench.collectives import run_collectives
+    from paraloom.bench.allreduce_sweep import run_collectives
     from paraloom.cluster.emulated import burst_bytes
-    from paraloom.cluster.launch import link_throughput
+    from paraloom.cluster.torchrun import link_throughput
     from paraloom.perfmodel.measure.calibrate import LinkTimers
 
     return LinkTimers(collectives=run_collectives, stream_mb_s=link_throughput, burst_bytes=burst_bytes)

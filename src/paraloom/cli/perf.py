@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from paraloom.cli.options import cluster_from_options, link_timers
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.storage import READ_BANDWIDTH
 
 
@@ -86,7 +86,7 @@ def _plan_inputs(config: Path | None, sets: list[str], given: dict) -> tuple[dic
             raise UserError("paraloom plan needs --model SPEC or a `paraloom train` config file")
         return {**PLAN_DEFAULTS, "data": None, **chosen}, None
     from paraloom.config import load_config
-    from paraloom.config_io import merge, parse_overrides, read_yaml
+    from paraloom.config.yaml_io import merge, parse_overrides, read_yaml
     from paraloom.perfmodel.from_config import plan_inputs
 
     if "model" in chosen:

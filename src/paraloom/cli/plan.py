@@ -12,9 +12,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from paraloom.choices import MODELLED_ALGORITHMS
-from paraloom.config_io import merge
-from paraloom.errors import UserError
+from paraloom.config.choices import MODELLED_ALGORITHMS
+from paraloom.config.errors import UserError
+from paraloom.config.rules import UNUSED_SETTINGS, strategy_for
+from paraloom.config.yaml_io import merge
 from paraloom.models import MODELS
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware, load_hardware, parse_bytes
@@ -22,7 +23,6 @@ from paraloom.perfmodel.measure.profile import profile_model
 from paraloom.perfmodel.measure.specs import parse_args
 from paraloom.perfmodel.plan import Estimate, Options, Plan
 from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan, rank, recommend
-from paraloom.rules import UNUSED_SETTINGS, strategy_for
 
 GPT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}
 
@@ -190,7 +190,7 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
             f"# predicted {e.step_s * 1e3:.1f} ms/step, {e.samples_per_s:,.1f} samples/s, "
             f"{e.memory_bytes / 2**30:.2f} GiB/device, bottleneck {e.bottleneck}",
             f"# {nodes} node(s): `paraloom train THIS.yaml` on one, or torchrun --nnodes {nodes} "
-            f"--nproc-per-node {config['parallel']['nproc']} -m paraloom.worker THIS.yaml on each"]
+            f"--nproc-per-node {config['parallel']['nproc']} -m paraloom.run.worker THIS.yaml on each"]
     head += [f"# note: {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(config, sort_keys=False)
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def report(

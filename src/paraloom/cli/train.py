@@ -14,11 +14,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from paraloom import prestart
 from paraloom.cli.options import cluster_from_options, link_timers
 from paraloom.config import load_config
-from paraloom.config_help import section_keys
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
+from paraloom.config.help import section_keys
+from paraloom.run import prestart
 
 
 def keys_epilog() -> str:
@@ -87,14 +87,14 @@ def train(
                 raise UserError(f"ps.servers={cfg.ps.servers} leaves no worker on {nodes.describe()}; "
                                 "give the cluster more nodes than servers")
         cfg.validate_world(world)
-        from paraloom.config_faults import check_lost_nodes, parse_faults
+        from paraloom.config.fault_specs import check_lost_nodes, parse_faults
 
         check_lost_nodes(parse_faults(cfg.run.inject) if cfg.run.inject else [], cfg.run.node_range(),
                          nodes.nodes if nodes else None)
         if cfg.run.nodes is not None and cfg.run.max_restarts < 1:
             raise UserError(f"run.nodes={cfg.run.nodes} goes on through restarts: give run.max_restarts >= 1")
         if _needs_preflight(cfg):  # importing the training stack costs the launcher seconds
-            from paraloom.preflight import preflight
+            from paraloom.run.preflight import preflight
 
             preflight(cfg, world)
         emulated = nodes if hasattr(nodes, "spec") else None  # an emulated cluster, not local nodes
@@ -113,7 +113,7 @@ def _calibrate_once(cfg, emulated=None) -> Path | None:
     an emulated cluster, the CPU's with its links measured across one of that rate."""
     if cfg.run.hardware != "auto":
         return None
-    from paraloom.config_world import threads_per_worker
+    from paraloom.config.sections import threads_per_worker
     from paraloom.perfmodel.measure.calibrate import calibrate_once
     from paraloom.perfmodel.measure.machine_profile import calibrate_gpu_once
 
@@ -175,7 +175,7 @@ def _forks_here(cfg, nodes) -> bool:
 
 def _calibrates_first(cfg) -> bool:
     """Whether this run measures the machine first (`run.hardware=auto`, nothing cached yet)."""
-    from paraloom.config_world import threads_per_worker
+    from paraloom.config.sections import threads_per_worker
     from paraloom.perfmodel.measure.machine_profile import cached_path
 
     if cfg.run.hardware != "auto" or os.environ.get("PARALOOM_HARDWARE"):
@@ -187,8 +187,8 @@ def _needs_preflight(cfg) -> bool:
     """Whether anything the config alone cannot check is in play: a user's factory, model options,
     model parallelism, injected faults, an optimizer other than the usual ones or its options, the
     parameters exempt from weight decay (their names are the model's)."""
-    from paraloom.choices import OPTIMIZERS
-    from paraloom.rules import is_factory
+    from paraloom.config.choices import OPTIMIZERS
+    from paraloom.config.rules import is_factory
 
     return bool(is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options
                 or cfg.parallel.model_parallel or cfg.run.inject is not None
@@ -206,29 +206,29 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
               profile: Path | None = None):
     """Launch the run, here or on `nodes`; `profile`: the cached profile its prediction is made from
     here, before launch, in place of the one its rank 0 would read (an emulated cluster's links)."""
-    from paraloom.rundir import new_run_dir
+    from paraloom.run.directory import new_run_dir
 
     run_dir = resume if resume is not None else new_run_dir(cfg, world=world)
     where = f"on {nodes.describe()}" if nodes else "on this machine"
     Console(stderr=True).print(f"paraloom: {world} workers {where}, {cfg.model.name} on {cfg.data.name}, "
                                f"run directory {run_dir}", highlight=False, soft_wrap=True)
     if profile is not None:  # rank 0 reads it back from the run directory
-        from paraloom.config_world import threads_per_worker
+        from paraloom.config.sections import threads_per_worker
         from paraloom.perfmodel.runs.contract import load_or_predict
 
         load_or_predict(run_dir, cfg, world, threads_per_worker(cfg.parallel.nproc),
                         "cuda" if _on_gpus(cfg) else "cpu", cached=profile)
     if nodes is None:
-        from paraloom.launch import launch_local
+        from paraloom.run.launch import launch_local
 
         return launch_local(cfg, run_dir, started_at=started_at), run_dir
-    from paraloom.cluster.launch import torchrun_on_cluster
-    from paraloom.config_faults import parse_faults
+    from paraloom.cluster.torchrun import torchrun_on_cluster
+    from paraloom.config.fault_specs import parse_faults
 
     node_range = cfg.run.node_range()
     faults = parse_faults(cfg.run.inject) if cfg.run.inject else []
     lost = {f.node: f.back for f in faults if f.kind == "lose"}
-    torchrun_on_cluster(nodes, ["paraloom.worker", str(run_dir / "config.yaml"), "--run-dir",
+    torchrun_on_cluster(nodes, ["paraloom.run.worker", str(run_dir / "config.yaml"), "--run-dir",
                                 str(run_dir), "--started-at", repr(started_at)],
                         log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc,
                         max_restarts=cfg.run.max_restarts, min_nodes=node_range[0] if node_range else None,

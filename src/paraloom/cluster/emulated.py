@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from paraloom.cluster.spec import ClusterSpec, check_name, format_rate
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 PREFIX = "plm"
 SUBNET = "10.98.0"  # the project's /24, private to each cluster's namespaces

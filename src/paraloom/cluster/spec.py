@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}  # tc's units: bits per second
 _RATE = re.compile(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)", re.IGNORECASE)

@@ -28,9 +28,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS, SHARDABLE_ALGORITHMS
 from paraloom.comm.p2p import Peers, exchange, pieces, recv, segment_elems, send
-from paraloom.rules import check_name
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS, SHARDABLE_ALGORITHMS
+from paraloom.config.rules import check_name
 
 TAG_STRIDE = 1 << 16
 RING_LOOKAHEAD = 1

@@ -1,11 +1,11 @@
-"""The scheduler registry: comm.scheduler's names (paraloom.choices.SCHEDULERS) -> policy classes."""
+"""The scheduler registry: comm.scheduler's names (paraloom.config.choices.SCHEDULERS) -> policy classes."""
 
 from __future__ import annotations
 
-from paraloom.choices import SCHEDULERS as NAMES
 from paraloom.comm.policies import FifoScheduler, WaitFreeScheduler
 from paraloom.comm.priority import PriorityScheduler
-from paraloom.rules import check_name
+from paraloom.config.choices import SCHEDULERS as NAMES
+from paraloom.config.rules import check_name
 
 SCHEDULERS = {cls.name: cls for cls in (FifoScheduler, WaitFreeScheduler, PriorityScheduler)}
 

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
-from paraloom.errors import UserError
-from paraloom.rules import check_name
+from paraloom.config.errors import UserError
+from paraloom.config.rules import check_name
 
 COMPRESSORS: dict[str, type] = {}
 

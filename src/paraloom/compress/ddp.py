@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from paraloom.compress.base import COMPRESSORS, make_compressor
 from paraloom.compress.powersgd import PowerSGDState
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 # torch 2.13 renamed the flat all-gather; older releases (>= 2.4) have only the second name
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -17,7 +17,7 @@ from paraloom.compress.topk import (
     sum_sparse,
     unpack_sparse,
 )
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 if TYPE_CHECKING:
     from paraloom.config import CommConfig, OptimConfig

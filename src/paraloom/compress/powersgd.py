@@ -7,7 +7,7 @@ import math
 import torch
 
 from paraloom.compress.topk import shared_seed
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def matrix_view(tensor: torch.Tensor) -> torch.Tensor:

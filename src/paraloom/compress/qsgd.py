@@ -15,7 +15,7 @@ from paraloom.compress.base import (
     register,
     unpack_nibbles,
 )
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def _pack_crumbs(values: torch.Tensor) -> torch.Tensor:

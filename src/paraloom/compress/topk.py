@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from paraloom.compress.base import ErrorFeedback, register
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def check_density(density: float) -> float:

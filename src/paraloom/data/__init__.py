@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from paraloom.config.errors import UserError
+from paraloom.config.rules import is_factory
 from paraloom.data.digits import load_digits
 from paraloom.data.sampler import ShardBatch, ShardedBatchSampler
 from paraloom.data.sharding import ShardedBatches
@@ -19,8 +21,6 @@ from paraloom.data.user import (
     load_user_data,
     split_datasets,
 )
-from paraloom.errors import UserError
-from paraloom.rules import is_factory
 
 if TYPE_CHECKING:
     from paraloom.config import Config

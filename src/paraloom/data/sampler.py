@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from paraloom.config.errors import UserError
 from paraloom.data.sharding import ShardedBatches
-from paraloom.errors import UserError
 
 
 class ShardBatch(NamedTuple):

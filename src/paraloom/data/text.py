@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from paraloom.config.errors import UserError
 from paraloom.data.split import Split
-from paraloom.errors import UserError
 
 VOCAB = 256
 PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})  # installed packages, not the library

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
+from paraloom.config.errors import UserError
 from paraloom.data.split import Split
-from paraloom.errors import UserError
 from paraloom.factories import call_factory
 
 LOSSES = ("classification", "next_token", "model")

@@ -4,7 +4,7 @@ run, the fastest kept.
 Which scheduler is fastest depends on the model, the link and the cores: on loopback, where
 gloo's reductions share the cores with backward, overlapping buys nothing and fifo wins; on a
 link as slow as a step's compute, priority hides the transfer behind the next forward; on a
-slower one still, wait_free. The overlap model (perfmodel/overlap.py) leaves out the cores
+slower one still, wait_free. The overlap model (perfmodel/cost/overlap.py) leaves out the cores
 that communication and computation share, so the engine measures instead: blocks of `WARMUP`
 untimed and `STEPS` timed steps of wait_free, fifo and priority in turn, `ROUNDS` blocks each
 (priority rebuilds the buckets as its partitions), the median step of each taken as the slowest
@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from paraloom.choices import AUTO_START_BUCKET_MB, BUCKET_SIZES_MB
+from paraloom.config.choices import AUTO_START_BUCKET_MB, BUCKET_SIZES_MB
 from paraloom.data_parallel.bucket import assign_buckets
 from paraloom.data_parallel.configure import MB, configure
 

@@ -27,6 +27,7 @@ from paraloom.comm.collectives import CommStats, ThenOnWait, private_group
 from paraloom.comm.executor import CommThread
 from paraloom.comm.policies import CommTask
 from paraloom.compress import make_compressor
+from paraloom.config.rules import check_dp_options
 from paraloom.data_parallel import ddp_args
 from paraloom.data_parallel.auto import CANDIDATES, START_BUCKET_MB, AutoScheduler
 from paraloom.data_parallel.bucket import Bucket, Piece
@@ -38,7 +39,6 @@ from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.data_parallel.states import sync_states
 from paraloom.data_parallel.synchronous import DONE
 from paraloom.data_parallel.unused import release_unused
-from paraloom.rules import check_dp_options
 
 MB = 2**20
 

@@ -6,10 +6,10 @@ Each updater lives in a module of its own and subclasses data_parallel/synchrono
 
 from __future__ import annotations
 
+from paraloom.data_parallel.deferred_updates import PriorityUpdater
 from paraloom.data_parallel.delayed import DelayedUpdater
 from paraloom.data_parallel.local_sgd import LocalSGDUpdater
-from paraloom.data_parallel.priority import PriorityUpdater
-from paraloom.data_parallel.shard import ShardedUpdater
+from paraloom.data_parallel.sharded_optimizer import ShardedUpdater
 from paraloom.data_parallel.synchronous import SyncUpdater
 
 MB = 2**20
@@ -17,7 +17,7 @@ MB = 2**20
 
 def make_updater(engine, *, sync: str, scheduler: str, shard_optimizer: bool, local_steps: int,
                  local_warmup: int, credit_mb: float, delay_lr: float | None) -> SyncUpdater:
-    """The updater for options that `paraloom.rules.check_dp_options` has accepted."""
+    """The updater for options that `paraloom.config.rules.check_dp_options` has accepted."""
     if shard_optimizer:
         return ShardedUpdater(engine)
     if sync == "one_step_delay":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.models.alexnet import AlexNet
 from paraloom.models.bert import BERT
 from paraloom.models.cnn import CNN

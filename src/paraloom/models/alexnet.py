@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 POOLED_SIZE = 6  # the feature map is average pooled to at most this size, as in torchvision
 LARGE_IMAGE_MIN_SIZE = 64  # images at least this high and wide get the 11x11 stride-4 stem

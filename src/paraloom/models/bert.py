@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 LN_EPS = 1e-12  # BERT's layer-norm epsilon
 INIT_STD = 0.02  # its weights' initial standard deviation

@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 # module-name pattern -> tensor-parallel style (tensor_parallel/plan.py; Shoeybi et al. 2019, figure 3)
 TP_PLAN: dict[str, Any] = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def conv(cin: int, cout: int, kernel: int | tuple[int, int], stride: int = 1,

@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from paraloom.config import Config
+from paraloom.config.errors import UserError
+from paraloom.config.rules import is_factory
 from paraloom.data import DataSets
-from paraloom.errors import UserError
 from paraloom.models import MODELS, build_model
 from paraloom.models.user import load_user_model
 from paraloom.optim.groups import mark_no_decay
-from paraloom.rules import is_factory
 
 
 def make_model(cfg: Config, data: DataSets) -> nn.Module:

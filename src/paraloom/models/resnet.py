@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 IMAGENET_STEM_MIN_SIZE = 64  # images at least this high and wide get the 7x7 stride-2 stem
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 CONFIG_D = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 POOLED_SIZE = 7  # the feature map is average pooled to at most this size, as in torchvision

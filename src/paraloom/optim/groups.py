@@ -7,7 +7,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 VECTORS = "1d"  # every parameter of fewer than two dimensions: biases, norm scales (nanoGPT's rule)
 _MARK = "_paraloom_no_decay"  # set on a parameter the rule exempts; it travels with the object

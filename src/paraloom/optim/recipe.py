@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 from paraloom.config import Config
-from paraloom.optim.build import make_optimizer
 from paraloom.optim.clip import GlobalNormClip
 from paraloom.optim.groups import decay_groups
+from paraloom.optim.lr_schedule import lr_factor, make_schedule
+from paraloom.optim.optimizers import make_optimizer
 from paraloom.optim.precision import LossScaler, autocast
-from paraloom.optim.schedule import lr_factor, make_schedule
 
 
 class Recipe:
@@ -21,7 +21,7 @@ class Recipe:
 
     Clipping and unscaling are step pre-hooks of the optimizer (unscale first), so they act on the
     gradients the optimizer is about to apply, whichever updater drives it; an optimizer that
-    steps a shard (`partition_group` set on it, see data_parallel/shard.py) sums the norm over
+    steps a shard (`partition_group` set on it, see data_parallel/sharded_optimizer.py) sums the norm over
     that group too. `clip_group` and `counted` describe a model spread over several ranks (see
     optim/clip.py).
     """

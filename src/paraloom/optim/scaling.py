@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def scaled_lr(lr: float, global_batch: int, base_batch: int) -> float:

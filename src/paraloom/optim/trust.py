@@ -1,7 +1,7 @@
 """Layer-wise trust ratios (LARS, LAMB) over whole tensors, also when a tensor is spread over ranks.
 
 A trust ratio scales each parameter tensor's update by a ratio of two norms of that *whole*
-tensor. Under a sharded optimizer (ZeRO, data_parallel/shard.py) a rank steps one contiguous
+tensor. Under a sharded optimizer (ZeRO, data_parallel/sharded_optimizer.py) a rank steps one contiguous
 block of a flat buffer that concatenates several tensors, and a tensor may straddle two ranks'
 blocks; under tensor parallelism a rank holds a slice of a tensor. `set_segments` tells the
 optimizer which whole tensor each element belongs to and over which process group the other

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from paraloom.choices import CONSISTENCY
-from paraloom.errors import UserError
+from paraloom.config.choices import CONSISTENCY
+from paraloom.config.errors import UserError
 
 
 def staleness_bound(consistency: str, staleness: int) -> int | None:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from paraloom.compress import make_compressor
-from paraloom.errors import UserError
-from paraloom.rules import check_push_compressor
+from paraloom.config.errors import UserError
+from paraloom.config.rules import check_push_compressor
 
 SLOTS = 4  # int32 header slots (16 bytes) at the front of every message
 PUSH, PULL, DONE, SNAP, NONFINITE = 1, 2, 4, 8, 16  # request flags (bits)

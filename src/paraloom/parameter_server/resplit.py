@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 COUNTERS = ("version", "summed", "arrived", "pushes_applied", "dropped", "refused")
 

@@ -7,11 +7,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from paraloom.choices import AUTO_START_BUCKET_MB
 from paraloom.config import Config
-from paraloom.errors import UserError
+from paraloom.config.choices import AUTO_START_BUCKET_MB
+from paraloom.config.errors import UserError
+from paraloom.config.rules import is_factory
 from paraloom.perfmodel.plan import Options, Plan
-from paraloom.rules import is_factory
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 FLOP_DTYPES = ("fp32", "tf32", "fp16", "bf16")
 OP_CLASSES = ("matmul", "conv", "attention", "other")  # as in op_counter.py (kept here so no torch import)
@@ -174,7 +174,7 @@ class Hardware:
     @classmethod
     def from_yaml(cls, text: str, *, source: str = "hardware profile") -> Hardware:
         """Read a profile; device and links may be preset names, or mappings with `preset:` plus overrides."""
-        from paraloom.config_io import parse_yaml
+        from paraloom.config.yaml_io import parse_yaml
 
         return _hardware(parse_yaml(text, source), source)
 

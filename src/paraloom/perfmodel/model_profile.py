@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 OP_CLASSES = ("matmul", "conv", "attention", "other")  # how FLOPs and bytes are counted, by op class
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each profile dtype
@@ -51,7 +51,7 @@ class ModelProfile:
 
     spec: str
     dtype: str  # "fp32", or "fp16"/"bf16": mixed precision as paraloom trains it, fp32 weights and autocast
-    # (profiled under autocast's own casts: perfmodel/autocast.py); see optimizer_bytes for the memory
+    # (profiled under autocast's own casts: perfmodel/measure/autocast.py); see optimizer_bytes for the memory
     recompute: str  # "none" | "full" (every layer keeps only its input; backward recomputes it)
     layers: tuple[LayerProfile, ...]
     input_bytes: float  # per sample, as loaded (int64 tokens, fp32 images), or the activation a stage gets

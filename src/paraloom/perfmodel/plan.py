@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from paraloom.choices import (
+from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
+from paraloom.config.choices import (
     ALL_REDUCE_ALGORITHMS,
     CONSISTENCY,
     MEMORY_LAYOUTS,
@@ -14,9 +15,8 @@ from paraloom.choices import (
     PIPELINE_SCHEDULES,
     SCHEDULERS,
 )
-from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
-from paraloom.errors import UserError
-from paraloom.rules import check_interleaving, check_name, check_parallel_layout
+from paraloom.config.errors import UserError
+from paraloom.config.rules import check_interleaving, check_name, check_parallel_layout
 
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
 PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)

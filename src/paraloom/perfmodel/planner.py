@@ -6,8 +6,8 @@ import functools
 import itertools
 from dataclasses import dataclass, replace
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS, COMPRESSORS, SCHEDULERS
-from paraloom.errors import UserError
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS, COMPRESSORS, SCHEDULERS
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.model_profile import ModelProfile

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 Bounds = list[tuple[int, int]]  # [(start, end), ...]: stage s holds pieces[start:end]
 
@@ -14,7 +14,7 @@ Bounds = list[tuple[int, int]]  # [(start, end), ...]: stage s holds pieces[star
 def balance_by_time(costs: Sequence[float], p: int) -> Bounds:
     """Split `costs` into `p` non-empty contiguous stages whose largest sum is as small as it can be.
 
-    Exact dynamic programme, O(p n^2): best[k][j] is the smallest possible largest stage when the
+    Exact dynamic programme, O(p n^2): `best[k][j]` is the smallest possible largest stage when the
     first j pieces form k stages. Among optimal splits the earliest cut points win (deterministic).
     """
     n = len(costs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 class Action(NamedTuple):

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraloom.choices import PRUNING_SCOPES
-from paraloom.errors import UserError
-from paraloom.sparse.schedule import SparsitySchedule
+from paraloom.config.choices import PRUNING_SCOPES
+from paraloom.config.errors import UserError
+from paraloom.sparse.sparsity_schedule import SparsitySchedule
 
 
 def default_targets(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

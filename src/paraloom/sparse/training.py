@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paraloom.sparse.pruning import MagnitudePruner
-from paraloom.sparse.schedule import SparsitySchedule
+from paraloom.sparse.sparsity_schedule import SparsitySchedule
 from paraloom.sparse.sync import MaskedSync
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.tensor_parallel.mappings import (
     all_reduce,
     copy_to_region,

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.tensor_parallel.layers import (
     PARALLEL_LAYERS,
     SHARDED_MARK,

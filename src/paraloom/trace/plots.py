@@ -11,7 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "comm": "#55a868", "step": "#bdbdbd",
           "other": "#8172b3"}

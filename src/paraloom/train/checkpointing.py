@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.config import Config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.runs.contract import replan
 from paraloom.train.checkpoint import (

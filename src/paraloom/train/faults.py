@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paraloom.config_faults import Fault
+from paraloom.config.fault_specs import Fault
 
 ONCE = ("kill", "hang", "nan", "lose")  # the faults that fire once per run (the slow ones persist)
 NODE = "PARALOOM_NODE"  # set by the cluster launcher: the node a worker runs on

@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader
 from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import broadcast_text, gather_floats
 from paraloom.config import Config
-from paraloom.config_faults import parse_faults
+from paraloom.config.errors import UserError
+from paraloom.config.fault_specs import parse_faults
 from paraloom.data import DataSets, ShardedBatchSampler, collate, load_data
-from paraloom.errors import UserError
 from paraloom.files import write_json
 from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.runs import history
@@ -36,9 +36,9 @@ from paraloom.train.checkpointing import Checkpoints
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.health import Health
+from paraloom.train.loss_eval import planned_steps, steps_per_epoch
 from paraloom.train.metrics import MetricsLogger, memory_mb, save_state
 from paraloom.train.progress import TrainProgress
-from paraloom.train.recipe import planned_steps, steps_per_epoch
 from paraloom.train.resize_policy import resized_config
 from paraloom.train.resume import ProgressMarker, read_resumes
 from paraloom.train.strategies import StepResult, Strategy

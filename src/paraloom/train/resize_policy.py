@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from paraloom.config import Config
 from paraloom.train.checkpoint import latest_valid, manifest_of
-from paraloom.train.recipe import planned_steps, steps_per_epoch
+from paraloom.train.loss_eval import planned_steps, steps_per_epoch
 
 
 def resized_config(cfg: Config, run_dir: Path | None, n_train: int) -> Config:

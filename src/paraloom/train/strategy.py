@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from paraloom.config import Config
+from paraloom.config.rules import strategy_for
 from paraloom.data import DataSets
-from paraloom.rules import strategy_for
 from paraloom.trace import Timeline
 from paraloom.train.strategies import Strategy
 from paraloom.train.strategies.data_parallel import DataParallelStrategy

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
+from paraloom.config.rules import check_name
 from paraloom.perfmodel.cost.network import LinkLike, allgather_time, allreduce_time
-from paraloom.rules import check_name
 
 if TYPE_CHECKING:
     from paraloom.perfmodel.hardware import Hardware

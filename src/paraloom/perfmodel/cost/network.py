@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import NamedTuple, Protocol
 
-from paraloom.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
-from paraloom.errors import UserError
+from paraloom.config.choices import ALL_REDUCE_ALGORITHMS, MODELLED_ALGORITHMS
+from paraloom.config.errors import UserError
 
 # The alpha-beta (Hockney) model: one message of S bytes over a link costs alpha + S / B, alpha the
 # latency and B the one-direction bandwidth; links are full duplex, and a collective's time is

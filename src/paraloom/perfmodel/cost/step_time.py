@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost import overlap
 from paraloom.perfmodel.cost.compression import codec_time, compressed_bytes, compressed_sync_time
 from paraloom.perfmodel.cost.cpu import WIRE_DTYPE, comm_cpu, ps_slices, server_cpu, unhidden_cpu

@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 READ_BANDWIDTH = "storage.read_bandwidth"  # bytes/s one node reads its training samples at
 BLOCK = 8 << 20

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from paraloom.choices import WIRE_DTYPES
+from paraloom.config.choices import WIRE_DTYPES
 from paraloom.perfmodel.cost.cpu import (
     TCP_CPU_INTRA,
 )

@@ -3,7 +3,7 @@
 Per dtype, the achieved FLOP/s of matmul, convolution, attention and element-wise work, the memory
 bandwidth (a large copy), a kernel's launch (what a layer of small kernels waits on), host-device
 copies from pinned memory and every compressor's encode + decode throughput on a gradient bucket
-(perfmodel/microbench.py). Nothing is fitted to training runs. The profile keeps the data sheet's
+(perfmodel/measure/microbench.py). Nothing is fitted to training runs. The profile keeps the data sheet's
 peaks where a preset names the part (so its efficiencies read as fractions of the published peak,
 beside the preset's assumed ones) and records each measured rate as a constant
 `flops.<dtype>.<class>`, which the model uses in place of peak x efficiency; the codecs' seconds
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.device import HOST, LAUNCH, UPDATE_PER_PARAM, UPDATE_PER_TENSOR
 from paraloom.perfmodel.hardware import (
     OP_CLASSES,

@@ -10,7 +10,7 @@ worker (what a CPU's compute rates depend on), and per link rate for runs on an 
 or per host for its GPUs; delete the file to measure again. `$PARALOOM_HARDWARE` stands in for
 "auto" where it is set.
 A profile measured once goes on describing the machine as it was then: a run that finds a term off
-names the file and its age where it is an hour old or more (`cached_source`, perfmodel/contract.py).
+names the file and its age where it is an hour old or more (`cached_source`, perfmodel/runs/contract.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from paraloom.optim.build import make_optimizer
+from paraloom.optim.optimizers import make_optimizer
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # per device type: matmul n; conv (batch, channels, side); attention (batch, heads, seq, head dim); elements
@@ -117,7 +117,7 @@ def codec_rates(device: torch.device, bucket_bytes: int, names: list[str] | None
 # per device type: (tensors, elements each) of a parameter set whose step is bound by memory traffic,
 # and of one bound by the work done per tensor (launches, and the host's Python around them)
 OPTIMIZER_SETS = {"cpu": ((4, 2**20), (64, 256)), "cuda": ((4, 2**24), (256, 1024))}
-# built as a run builds them (optim/build.py): torch's fused kernel wherever the class and the
+# built as a run builds them (optim/optimizers.py): torch's fused kernel wherever the class and the
 # parameters allow it, which is not the default implementation's speed (a tenth of its time for Adam
 # on a CPU; one kernel for all tensors on a GPU, where the default is foreach)
 OPTIMIZERS = {"sgd": lambda ps: make_optimizer("sgd", ps, lr=1e-3),

@@ -12,7 +12,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.measure.autocast import Autocast
 from paraloom.perfmodel.measure.op_counter import FusedAttention, Live, OpCounter, nbytes
 from paraloom.perfmodel.measure.specs import build_from_spec
@@ -121,7 +121,7 @@ def _recomputing_under(fused: type, casts: contextlib.AbstractContextManager):
 
 
 def _loss(out: object) -> torch.Tensor | None:
-    """The loss paraloom trains a model's output with (train/recipe.py): cross-entropy over the last
+    """The loss paraloom trains a model's output with (train/loss_eval.py): cross-entropy over the last
     dimension, summed; None for an output that is not a floating tensor of scores (a model's own loss)."""
     scores = isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() >= 2
     if not scores or not out.requires_grad:

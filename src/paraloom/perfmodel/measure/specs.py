@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.factories import call_factory
 from paraloom.models import MODELS
 

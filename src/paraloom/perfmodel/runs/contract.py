@@ -64,7 +64,7 @@ def predicted_terms(estimate) -> dict[str, float]:
 
 def predict(cfg, workers: int, hardware) -> dict[str, Any]:
     """The run's predicted step, by term, and peak memory per rank, from `hardware` alone."""
-    from paraloom.choices import SCHEDULERS
+    from paraloom.config.choices import SCHEDULERS
     from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.measure.profile import profile_model
@@ -258,7 +258,7 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
             source = cached or cached_source(cfg.run.hardware, threads, device)
             if source is not None:  # named by a warning, should a calibrated term come out off
                 predicted.update(hardware_file=str(source), hardware_measured=_measured_at(source))
-                if device == "cpu":  # what to measure again with (perfmodel/recheck.py)
+                if device == "cpu":  # what to measure again with (perfmodel/runs/recheck.py)
                     predicted["hardware_threads"] = threads
             if cached:
                 predicted["hardware_chosen"] = str(cached)

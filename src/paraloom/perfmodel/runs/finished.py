@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.cpu import server_cpu_per_message
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware

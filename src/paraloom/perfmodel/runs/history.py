@@ -2,7 +2,7 @@
 
 Rank 0 appends one line when a run with a run directory finishes (`record`), to `history.jsonl`
 in the cache directory (`machine_profile.cache_dir`). `paraloom history` lists it and scores the
-white, grey and black boxes on it (`perfmodel/fitted.py`); `paraloom calibrate --from history`
+white, grey and black boxes on it (`perfmodel/runs/fitted.py`); `paraloom calibrate --from history`
 refits the white box's constants from the runs it lists whose directories are still there.
 """
 

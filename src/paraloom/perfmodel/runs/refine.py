@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost.cpu import SERVER_PER_MESSAGE, SERVER_PER_UPDATE, server_cpu_per_message
 from paraloom.perfmodel.cost.device import without_dispatch
 from paraloom.perfmodel.cost.step_time import host_slowdown

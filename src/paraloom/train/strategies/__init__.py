@@ -21,7 +21,7 @@ from torch import nn
 
 from paraloom.comm.collectives import CommStats
 from paraloom.config import Config
-from paraloom.data_parallel.build import make_engine
+from paraloom.data_parallel.engine_from_config import make_engine
 from paraloom.optim.recipe import Recipe
 from paraloom.topology import RankGroups
 from paraloom.trace import Timeline, trace_modules
@@ -32,7 +32,7 @@ class StepResult(NamedTuple):
     loss: torch.Tensor | None  # this rank's share of the batch loss, for `Strategy.loss_value`
     compute_seconds: float  # forward and backward computation of this rank, waits excluded
     scaler_skip: bool = False  # a skip that was fp16's loss scaler backing off (not a bad step)
-    terms: dict[str, float] | None = None  # this step's seconds by term (perfmodel/contract.py)
+    terms: dict[str, float] | None = None  # this step's seconds by term (perfmodel/runs/contract.py)
 
 
 class Strategy(ABC):

@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from paraloom.config import Config
 from paraloom.data import DataSets
-from paraloom.data_parallel.checkpoint import average_states, engine_state, load_engine_state
+from paraloom.data_parallel.replica_state import average_states, engine_state, load_engine_state
 from paraloom.models.make import make_model
 from paraloom.pipeline_parallel.resplit import load_whole
 from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
-from paraloom.train.recipe import batch_loss, chunks, evaluate, planned_steps
+from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
 from paraloom.train.strategies import EngineStrategy, StepResult
 
 

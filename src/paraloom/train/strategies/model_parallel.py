@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import gather_floats
 from paraloom.config import Config
+from paraloom.config.errors import UserError
 from paraloom.data import DataSets, Split, collate
 from paraloom.data.text import VOCAB, unigram_loss
-from paraloom.errors import UserError
 from paraloom.models.make import make_model
 from paraloom.optim.groups import mark_no_decay
 from paraloom.optim.trust import TrustRatioOptimizer
@@ -47,7 +47,7 @@ from paraloom.tensor_parallel import (
 from paraloom.tensor_parallel.mappings import gather_from_region
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
-from paraloom.train.recipe import evaluate, planned_steps
+from paraloom.train.loss_eval import evaluate, planned_steps
 from paraloom.train.strategies import EngineStrategy, StepResult
 
 EVAL_BATCH = 64

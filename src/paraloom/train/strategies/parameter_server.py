@@ -31,21 +31,21 @@ from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import gather_floats, gather_json
 from paraloom.compress.dgc import dgc_options
 from paraloom.config import Config
+from paraloom.config.errors import UserError
 from paraloom.data import DataSets
-from paraloom.errors import UserError
 from paraloom.models.make import make_model
 from paraloom.optim import lr_factor
 from paraloom.optim.precision import autocast
 from paraloom.optim.recipe import schedule_options, server_optimizer
+from paraloom.parameter_server.client import PSClient
 from paraloom.parameter_server.consistency import staleness_bound
 from paraloom.parameter_server.message import PushCodec, draw_token
 from paraloom.parameter_server.resplit import recut, saved_slices
 from paraloom.parameter_server.server import ParameterServer, serve
 from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.throughput import all_workers_throughput
-from paraloom.parameter_server.worker import PSClient
 from paraloom.trace import Timeline, trace_modules
-from paraloom.train.recipe import batch_loss, chunks, evaluate, planned_steps
+from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
 from paraloom.train.strategies import StepResult, Strategy
 
 

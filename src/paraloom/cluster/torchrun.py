@@ -13,7 +13,7 @@ from pathlib import Path
 
 from paraloom.cluster.emulated import EmulatedCluster
 from paraloom.cluster.local import LocalNodes
-from paraloom.errors import WorkersFailed
+from paraloom.config.errors import WorkersFailed
 
 # Benchmarks measure from scratch on every attempt, so a worker that fails at start-up (seen once
 # in CI on a loaded machine, cause not captured) costs a retry, not the run.

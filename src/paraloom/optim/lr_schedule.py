@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 SCHEDULES = ("constant", "cosine", "linear", "step")
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from paraloom.comm.algorithms import reduce_scatter
+from paraloom.config.errors import UserError
 from paraloom.data_parallel.synchronous import SyncUpdater
-from paraloom.errors import UserError
 from paraloom.optim.trust import TrustRatioOptimizer
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) have only the second names

@@ -32,7 +32,7 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces:
 # runs them: `paraloom plan --plan dp=64,algorithm=double_binary_tree`) but paraloom does not run
 # (hierarchical_<alg>: reduce-scatter inside each node, <alg> across nodes, all-gather inside: NCCL's
 # and Horovod's hierarchical all-reduce, Goyal et al. 2017's three phases)
-# how a framework lays a model's training state out in memory (perfmodel/memory.py): paraloom's and torch
+# how a framework lays a model's training state out in memory (perfmodel/cost/memory.py): paraloom's and torch
 # DDP's under autocast, Megatron-LM's fp32 main_grad, DeepSpeed ZeRO's stages; the planner prices all
 MEMORY_LAYOUTS = ("ddp", "megatron", "zero1", "zero2", "zero3")
 MODELLED_ALGORITHMS = ("reduction_tree", "double_binary_tree", "hierarchical_ring",

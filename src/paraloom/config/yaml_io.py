@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from paraloom import rules
-from paraloom.errors import UserError
+from paraloom.config import rules
+from paraloom.config.errors import UserError
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import signal
 
-PRELOAD = ["paraloom.worker", "paraloom.train"]
+PRELOAD = ["paraloom.run.worker", "paraloom.train"]
 
 _fresh = False  # the running server was started for the next launch and has served none yet
 

@@ -10,7 +10,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 _SIZE = re.compile(r"(\d+)\s*(B|KB|MB|GB)", re.IGNORECASE)
 _SCALE = {"b": 1, "kb": 2**10, "mb": 2**20, "gb": 2**30}
@@ -117,7 +117,7 @@ def run_collectives(*, sizes: list[int], algorithms: list[str], cluster=None, np
     """Measure one TCP stream over the link, then every algorithm at every size on the workers
     (local ones on loopback, or one per node of an emulated cluster); returns the JSON-ready report."""
     from paraloom.bench.harness import launch
-    from paraloom.cluster.launch import link_throughput
+    from paraloom.cluster.torchrun import link_throughput
 
     largest = max(sizes)
     link_bytes = max(16 << 20, min(256 << 20, 2 * largest)) if cluster else 256 << 20

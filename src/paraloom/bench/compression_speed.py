@@ -7,7 +7,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from paraloom.choices import COMPRESSORS
+from paraloom.config.choices import COMPRESSORS
 
 VARIANTS = ("ddp", "ddp_fp16", "wait_free", *COMPRESSORS, "powersgd_4", "topk_0.001", "dgc_0.001")
 # name -> (compressor, options); DGC's momentum is set by `dgc_momentum` (it depends on the optimizer)
@@ -132,7 +132,7 @@ def measure(options: dict[str, Any], save) -> dict[str, Any]:
     from paraloom.data import ShardedBatches, load_dataset, split_datasets
     from paraloom.data_parallel import DataParallel
     from paraloom.topology import Topology
-    from paraloom.train.recipe import batch_loss, evaluate
+    from paraloom.train.loss_eval import batch_loss, evaluate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))

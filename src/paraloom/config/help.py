@@ -8,14 +8,14 @@ import re
 import typing
 from typing import Any
 
-from paraloom.config import _section_types
-from paraloom.config_io import type_text
+from paraloom.config.sections import section_types
+from paraloom.config.yaml_io import type_text
 
 
 def section_keys() -> dict[str, list[tuple[str, str, Any, str]]]:
     """Section -> [(key, type text, default, the comment beside the field)], for help texts."""
     out = {}
-    for name, section_type in _section_types().items():
+    for name, section_type in section_types().items():
         hints = typing.get_type_hints(section_type)
         comments = dict(_FIELD_COMMENT.findall(inspect.getsource(section_type)))
         rows = []

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.optim.lamb import LAMB
 from paraloom.optim.lars import LARS
 

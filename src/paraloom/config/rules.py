@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from paraloom.choices import (
+from paraloom.config.choices import (
     ALL_REDUCE_ALGORITHMS,
     COMM_SCHEDULERS,
     COMPRESSORS,
@@ -19,7 +19,7 @@ from paraloom.choices import (
     SHARDABLE_ALGORITHMS,
     SYNC_MODES,
 )
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 
 def check_name(key: str, value: str, names: Iterable[str], *, factory: bool = False) -> str:

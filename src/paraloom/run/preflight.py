@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from paraloom.config import Config
-from paraloom.config_faults import check_faults, parse_faults
+from paraloom.config.errors import UserError
+from paraloom.config.fault_specs import check_faults, parse_faults
+from paraloom.config.rules import is_factory
 from paraloom.data import DataSets, load_data
-from paraloom.errors import UserError
 from paraloom.models.make import make_model
 from paraloom.optim import check_optimizer
-from paraloom.optim.build import accepted_arguments
+from paraloom.optim.optimizers import accepted_arguments
 from paraloom.pipeline_parallel.partition import model_pieces
-from paraloom.rules import is_factory
 from paraloom.tensor_parallel import check_tp_plan
-from paraloom.train.recipe import planned_steps
+from paraloom.train.loss_eval import planned_steps
 from paraloom.train.strategy import STRATEGIES
 
 

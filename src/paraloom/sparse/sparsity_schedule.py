@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paraloom.choices import PRUNING_SCHEDULES
-from paraloom.errors import UserError
+from paraloom.config.choices import PRUNING_SCHEDULES
+from paraloom.config.errors import UserError
 
 
 def cubic_sparsity(step: int, *, initial: float, final: float, start: int, end: int) -> float:

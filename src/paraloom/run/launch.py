@@ -12,9 +12,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from paraloom import prestart, worker
 from paraloom.config import Config
-from paraloom.errors import WorkersFailed
+from paraloom.config.errors import WorkersFailed
+from paraloom.run import prestart, worker
 
 
 def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = "127.0.0.1",

@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paraloom.config import Config
+from paraloom.config.errors import UserError
 from paraloom.data import DataSets, collate
-from paraloom.errors import UserError
 
 
 def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, scale: float,

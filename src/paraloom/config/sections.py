@@ -1,8 +1,10 @@
-"""Run configuration: dataclass sections, loaded from YAML with dotted `--set` overrides."""
+"""Run configuration: dataclass sections, loaded from YAML with dotted `--set` overrides, and the
+checks of a configuration against its number of workers (the dp x tp x pp grid and its limits)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,11 +12,10 @@ from typing import Any
 
 import yaml
 
-from paraloom import choices, rules
-from paraloom.config_faults import parse_faults
-from paraloom.config_io import build_section, merge, parse_overrides, read_yaml
-from paraloom.config_world import grid, validate_world
-from paraloom.errors import UserError
+from paraloom.config import choices, rules
+from paraloom.config.errors import UserError
+from paraloom.config.fault_specs import check_faults, parse_faults
+from paraloom.config.yaml_io import build_section, merge, parse_overrides, read_yaml
 
 
 def _one_of(*names: str, default: str, factory: bool = False) -> Any:
@@ -346,7 +347,7 @@ class Config:
             raw = {}
         if not isinstance(raw, dict):
             raise UserError(f"{source} must be a mapping of sections, got {type(raw).__name__}")
-        sections = _section_types()
+        sections = section_types()
         for name in raw:
             if name not in sections:
                 raise UserError(f"unknown section {name!r} in {source}; sections: {', '.join(sections)}")
@@ -381,7 +382,7 @@ def _section_name(section: Any) -> str:
     return type(section).__name__.removesuffix("Config").lower()
 
 
-def _section_types() -> dict[str, type]:
+def section_types() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
@@ -395,3 +396,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def dump_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def grid(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) for `world_size` workers; layers mode makes every rank a stage."""
+    par = cfg.parallel
+    pp = world_size if par.mode == "layers" and par.pp == 1 else par.pp
+    if world_size % (par.tp * pp):
+        raise UserError(f"parallel.tp={par.tp} x parallel.pp={pp} does not divide {world_size} "
+                        f"workers; choose a world size that is a multiple of {par.tp * pp}")
+    return world_size // (par.tp * pp), par.tp, pp
+
+
+def validate_world(cfg: Config, world_size: int) -> None:
+    """Checks that depend on the number of workers; run before any worker starts."""
+    dp, tp, pp = grid(cfg, world_size)
+    microbatches = cfg.parallel.microbatches * (cfg.optim.accumulate if cfg.parallel.model_parallel else 1)
+    rules.check_batch_split(batch_size=cfg.data.batch_size, dp=dp, microbatches=microbatches,
+                            model_parallel=cfg.parallel.model_parallel)
+    if cfg.parallel.model_parallel:
+        rules.check_tensor_parallel(tp=tp, model=cfg.model.name, n_heads=cfg.model.n_heads,
+                                    has_plan=bool(cfg.model.tp_plan))
+        rules.check_pipeline_stages(pp=pp, model=cfg.model.name, n_layers=cfg.model.n_layers,
+                                    virtual_stages=cfg.parallel.virtual_stages)
+        rules.check_model_parallel_sync(dp=dp, sync=cfg.comm.sync, shard_optimizer=cfg.comm.shard_optimizer,
+                                        scheduler=cfg.comm.scheduler, compressor=cfg.comm.compressor,
+                                        bucket_mb=cfg.comm.bucket_mb)
+    if cfg.run.inject is not None:
+        check_faults(parse_faults(cfg.run.inject), world_size)
+    rules.check_model_data(cfg.model.name, cfg.data.name)
+
+
+def threads_per_worker(nproc: int) -> int:
+    """The threads each of `nproc` workers on this host gets (as run/worker.py shares the cores)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paraloom.choices import FAULT_KINDS as KINDS
-from paraloom.errors import UserError
+from paraloom.config.choices import FAULT_KINDS as KINDS
+from paraloom.config.errors import UserError
 
 
 @dataclass(frozen=True)

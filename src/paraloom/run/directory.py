@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 from paraloom.config import Config, dump_config
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 
 # what a launcher writes before the workers start: the config, node logs, the run's prediction of
-# itself (perfmodel/contract.py: made by the launcher for a run on an emulated cluster)
+# itself (perfmodel/runs/contract.py: made by the launcher for a run on an emulated cluster)
 PREPARED = {"config.yaml", "nodes", "prediction.json"}
 
 

@@ -2,7 +2,7 @@
 
 Started by `paraloom train` through torch's elastic agent, or on many nodes by torchrun:
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m paraloom.worker CONFIG.yaml [--set section.key=value ...] [--run-dir DIR]
+        -m paraloom.run.worker CONFIG.yaml [--set section.key=value ...] [--run-dir DIR]
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from paraloom.config import CommConfig, Config, load_config
-from paraloom.errors import UserError
-from paraloom.rundir import new_run_dir
+from paraloom.config.errors import UserError
+from paraloom.run.directory import new_run_dir
 from paraloom.train.guards import PeerFailure, TooManyBadSteps
 
 
@@ -101,15 +101,15 @@ def run(config: dict[str, Any], run_dir: str | None, started_at: float,
 
 def _threads_per_worker() -> int:
     """Share this node's cores among its workers; a launcher's OMP_NUM_THREADS wins."""
-    from paraloom.config_world import threads_per_worker
+    from paraloom.config.sections import threads_per_worker
 
     return threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m paraloom.worker CONFIG.yaml` under torchrun: every rank reads the same config."""
+    """`python -m paraloom.run.worker CONFIG.yaml` under torchrun: every rank reads the same config."""
     started_at = time.time()
-    parser = argparse.ArgumentParser(prog="python -m paraloom.worker")
+    parser = argparse.ArgumentParser(prog="python -m paraloom.run.worker")
     parser.add_argument("config", nargs="?", help="YAML config (same file on every node)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--run-dir", help="run directory on global rank 0 (default: a new one)")

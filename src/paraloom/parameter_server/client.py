@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paraloom.compress.state import load_state_of, state_dict_of
-from paraloom.errors import UserError
+from paraloom.config.errors import UserError
 from paraloom.parameter_server.message import (
     DONE,
     NONFINITE,
