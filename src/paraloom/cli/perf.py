@@ -64,7 +64,7 @@ def plan(
     top: Annotated[int, typer.Option(help="rows per table")] = 10,
 ) -> None:
     """Predict step time and memory of every parallel plan; recommend a plan and a node count."""
-    from paraloom.cli.plan import run_plan
+    from paraloom.cli.plan_command import run_plan
 
     given = {"model": model, "data": data, "global_batch": global_batch, "dtype": dtype,
              "recompute": recompute, "optimizer": optimizer}

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paraloom.config.errors import UserError
 
-# module-name pattern -> tensor-parallel style (tensor_parallel/plan.py; Shoeybi et al. 2019, figure 3)
+# module-name pattern -> tensor-parallel style (tensor_parallel/module_plan.py; Shoeybi et al. 2019, figure 3)
 TP_PLAN: dict[str, Any] = {
     "*.tok": "vocab",  # token embedding: vocabulary ranges
     "*.pos": "replicate",

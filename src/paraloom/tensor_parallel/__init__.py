@@ -21,7 +21,7 @@ from paraloom.tensor_parallel.mappings import (
     reduce_from_region,
     scatter_to_region,
 )
-from paraloom.tensor_parallel.plan import apply_tp_plan, check_tp_plan, is_tp_sharded
+from paraloom.tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, is_tp_sharded
 
 __all__ = [
     "ColumnParallelLinear",

@@ -21,7 +21,7 @@ from torch import nn
 from paraloom.models.gpt import TP_PLAN
 from paraloom.tensor_parallel.layers import PARALLEL_LAYERS, vocab_parallel_cross_entropy
 from paraloom.tensor_parallel.mappings import group_size
-from paraloom.tensor_parallel.plan import apply_tp_plan, is_tp_sharded
+from paraloom.tensor_parallel.module_plan import apply_tp_plan, is_tp_sharded
 
 if TYPE_CHECKING:
     from paraloom.trace.timeline import Timeline
