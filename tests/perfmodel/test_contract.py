@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from distributed import run_workers
-from test_strategies import hardware, model
+from test_step_time import hardware, model
 
 from paraloom.cli.options import link_timers
 from paraloom.config import load_config
