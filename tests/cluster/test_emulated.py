@@ -268,13 +268,14 @@ def test_dp_schedulers_benchmark_quick(tmp_path):
 
 
 def test_calibration_measures_gloos_all_reduce_per_dtype_on_a_cluster_like_another():
+    from paraloom.cli.options import link_timers
     from paraloom.cli.perf import _emulated_like
     from paraloom.perfmodel.measure.calibrate import measure_groups
 
     with EmulatedCluster(ClusterSpec(2, parse_rate("1gbit"), _name())) as pair:
         with _emulated_like(pair, 3) as trio:
             assert trio.nodes == 3 and trio.spec.rate_bits == pair.spec.rate_bits
-            constants = measure_groups([trio])
+            constants = measure_groups(link_timers(), [trio])
     assert len(constants) == 9
     for dtype in ("float32", "float16", "bfloat16"):  # about the 1 Gbit/s link, whatever the dtype
         assert 80e6 < constants[f"allreduce.n3.{dtype}.native.bandwidth"] < 200e6, constants
