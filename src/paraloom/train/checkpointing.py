@@ -25,7 +25,7 @@ from paraloom.train.checkpoint import (
     step_dir,
 )
 from paraloom.train.resume import PROGRESS, record_resize, record_resume
-from paraloom.train.strategies import Strategy
+from paraloom.train.strategies.base import Strategy
 
 
 class Checkpoints:

@@ -41,8 +41,8 @@ from paraloom.train.metrics import MetricsLogger, memory_mb, save_state
 from paraloom.train.progress import TrainProgress
 from paraloom.train.resize_policy import resized_config
 from paraloom.train.resume import ProgressMarker, read_resumes
-from paraloom.train.strategies import StepResult, Strategy
-from paraloom.train.strategy import make_strategy
+from paraloom.train.strategies import make_strategy
+from paraloom.train.strategies.base import StepResult, Strategy
 
 
 def shared_run_dir(run_dir: Path | None) -> Path | None:
