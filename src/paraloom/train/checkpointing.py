@@ -16,7 +16,8 @@ from paraloom.config import Config
 from paraloom.config.errors import UserError
 from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.runs.contract import replan
-from paraloom.train.checkpoint import (
+from paraloom.train.checkpoint.records import PROGRESS, record_resize, record_resume
+from paraloom.train.checkpoint.store import (
     PendingSave,
     agree_on_checkpoint,
     load_parts,
@@ -24,7 +25,6 @@ from paraloom.train.checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from paraloom.train.resume import PROGRESS, record_resize, record_resume
 from paraloom.train.strategies.base import Strategy
 
 
@@ -160,7 +160,7 @@ class Checkpoints:
             async_group=self.async_group, seal_behind=True,
             meta={"saved_at": time.time(), "strategy": self.strategy.name,
                   "grid": self.strategy.grid_record(),
-                  # the data position and the batch it was taken at (train/resize_policy.py)
+                  # the data position and the batch it was taken at (train/checkpoint/resize_policy.py)
                   "samples": self.counters["samples"], "global_batch": self.cfg.data.batch_size,
                   "dp_size": self.strategy.dp_world_size})
         self.counters["checkpoint_seconds"] += time.perf_counter() - began

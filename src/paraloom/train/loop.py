@@ -31,7 +31,9 @@ from paraloom.perfmodel.runs import history
 from paraloom.perfmodel.runs.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
-from paraloom.train.checkpoint import PendingSave
+from paraloom.train.checkpoint.records import ProgressMarker, read_resumes
+from paraloom.train.checkpoint.resize_policy import resized_config
+from paraloom.train.checkpoint.store import PendingSave
 from paraloom.train.checkpointing import Checkpoints
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
@@ -39,8 +41,6 @@ from paraloom.train.health import Health
 from paraloom.train.loss_eval import planned_steps, steps_per_epoch
 from paraloom.train.metrics import MetricsLogger, memory_mb, save_state
 from paraloom.train.progress import TrainProgress
-from paraloom.train.resize_policy import resized_config
-from paraloom.train.resume import ProgressMarker, read_resumes
 from paraloom.train.strategies import make_strategy
 from paraloom.train.strategies.base import StepResult, Strategy
 
