@@ -184,7 +184,7 @@ def test_every_registry_implements_exactly_its_names():
     assert set(choices.DENSITY_COMPRESSORS) <= set(COMPRESSORS)
     assert set(choices.FIXED_SIZE_COMPRESSORS) <= set(COMPRESSORS)
     from paraloom.config.rules import UNUSED_SETTINGS, WHY_UNUSED
-    from paraloom.train.strategy import STRATEGIES
+    from paraloom.train.strategies import STRATEGIES
 
     assert tuple(STRATEGIES) == choices.STRATEGIES == tuple(UNUSED_SETTINGS) == tuple(WHY_UNUSED)
     assert all(not strategy.__abstractmethods__ for strategy in STRATEGIES.values())  # each can be built

@@ -13,7 +13,7 @@ from paraloom.config import load_config
 from paraloom.config.errors import UserError
 from paraloom.optim.ema import WeightAverage
 from paraloom.train import train
-from paraloom.train.checkpoint import step_dir
+from paraloom.train.checkpoint.store import step_dir
 
 GPT = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=4000", "model.d_model=16",
        "model.n_heads=2", "model.n_layers=2", "data.batch_size=8", "optim.name=adamw", "optim.lr=0.01",

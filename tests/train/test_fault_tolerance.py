@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paraloom.train.checkpoint import step_dir
+from paraloom.train.checkpoint.store import step_dir
 
 SMALL = ["--set", "model.name=mlp", "--set", "model.hidden=32", "--set", "optim.epochs=2",
          "--set", "run.checkpoint_every=10", "--set", "run.log_every=5"]  # 46 steps on 2 ranks
@@ -123,7 +123,7 @@ def test_nan_step_is_skipped_and_a_run_of_them_stops_with_the_checkpoint_intact(
     done = stopped.result()
     assert done.returncode == 1
     assert "1 steps in a row (up to step 15) had NaN or Inf gradients" in done.stderr
-    from paraloom.train.checkpoint import latest_valid
+    from paraloom.train.checkpoint.store import latest_valid
 
     assert latest_valid(tmp_path / "stop") == step_dir(tmp_path / "stop", 10)
 

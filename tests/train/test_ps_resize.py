@@ -14,7 +14,7 @@ from paraloom.parameter_server.server import ParameterServer
 from paraloom.perfmodel.measure.machine_profile import resolve_hardware
 from paraloom.perfmodel.runs.contract import predict
 from paraloom.train import train
-from paraloom.train.checkpoint import load_checkpoint, step_dir
+from paraloom.train.checkpoint.store import load_checkpoint, step_dir
 from paraloom.train.strategies.parameter_server import ParameterServerStrategy
 
 torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])  # import torch._dynamo once, before forking

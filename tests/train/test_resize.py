@@ -13,7 +13,7 @@ from paraloom.config import load_config
 from paraloom.data import DataSets, TensorPairs, make_synthetic
 from paraloom.data.sharding import ShardedBatches
 from paraloom.train import train
-from paraloom.train.checkpoint import load_checkpoint, step_dir
+from paraloom.train.checkpoint.store import load_checkpoint, step_dir
 
 BASE = [
     "model.name=mlp",

@@ -10,7 +10,7 @@ from distributed import run_workers
 
 from paraloom.config import load_config
 from paraloom.train import train
-from paraloom.train.checkpoint import step_dir
+from paraloom.train.checkpoint.store import step_dir
 
 # SGD with momentum (its buffers are split and joined too): Adam would turn the float noise of
 # gradients that are zero in exact arithmetic (attention's key bias) into steps of the full rate

@@ -90,7 +90,7 @@ def _wait_all(procs: list[subprocess.Popen], log_dir: Path, lost: dict[int, floa
               start=None, *, run_dir: Path | None = None) -> None:
     """Until every node is done; a node of `lost` that dies is let go (and started again, once, its
     seconds after the others have gone on without it), any other failure stops the run."""
-    from paraloom.train.resume import read_resumes
+    from paraloom.train.checkpoint.records import read_resumes
 
     lost = {} if lost is None else lost
     back_at: dict[int, float] = {}

@@ -18,7 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")  # auto: cuda if available
 
 # ---- how the work is split: parallel.mode (the training strategy's family)
 PARALLEL_MODES = ("dp", "ps", "layers")  # data parallel (+ tp/pp hybrids), parameter server, layers
-STRATEGIES = ("data_parallel", "model_parallel", "parameter_server")  # train/strategy.py, rules.strategy_for
+STRATEGIES = ("data_parallel", "model_parallel", "parameter_server")  # train/strategies/, rules.strategy_for
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PIPELINE_BALANCE = ("params", "time")  # what pipeline stages are balanced by
 

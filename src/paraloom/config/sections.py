@@ -39,14 +39,14 @@ class RunConfig:
     save_model: bool = True  # write the final model state to model.pt
     trace: bool = False  # write a Chrome trace per rank (runs/<name>/trace/rank<r>.json)
     trace_steps: int = 5  # steps traced, starting at the second step
-    checkpoint_every: int = 50  # steps between checkpoints (0: only at the end); see train/checkpoint.py
+    checkpoint_every: int = 50  # steps between checkpoints (0: only at the end); train/checkpoint/store.py
     keep_checkpoints: int = 3  # newest checkpoints kept in runs/<name>/checkpoints
     async_checkpoint: bool = False  # write checkpoints behind training (DCP's async_save of a copy)
     max_restarts: int = 3  # elastic restarts after a worker fails (each resumes from the last checkpoint)
     # "MIN..MAX" on a cluster: the run goes on with as few as MIN nodes (torchrun --nnodes MIN:MAX);
     # a node lost for good leaves the survivors to resume at the smaller size, one that joins grows it
     nodes: str | None = None
-    # what a data-parallel run resumed on another number of workers keeps (train/resize_policy.py)
+    # what a data-parallel run resumed on another number of workers keeps (train/checkpoint/resize_policy.py)
     resize_policy: str = _one_of(*choices.RESIZE_POLICIES, default="global_batch")
     inject: str | None = None  # faults for tests: "kill:rank=1,step=30; slow:rank=random,factor=2"
     eval_every_epoch: bool = False  # test accuracy after each epoch -> summary.epoch_accuracy

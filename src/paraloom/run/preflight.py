@@ -22,7 +22,7 @@ from paraloom.optim.optimizers import accepted_arguments
 from paraloom.pipeline_parallel.partition import model_pieces
 from paraloom.tensor_parallel import check_tp_plan
 from paraloom.train.loss_eval import planned_steps
-from paraloom.train.strategy import STRATEGIES
+from paraloom.train.strategies import STRATEGIES
 
 
 def preflight(cfg: Config, world: int) -> DataSets | None:

@@ -87,7 +87,7 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
 def run(config: dict[str, Any], run_dir: str | None, started_at: float,
         interface: str | None = None) -> dict[str, Any]:
     """Elastic-agent entry: one rank's whole life, process group set up and torn down."""
-    from paraloom.train import train  # the one loop; it picks the strategy (train/strategy.py)
+    from paraloom.train import train  # the one loop; it picks the strategy (train/strategies/__init__.py)
 
     cfg = Config.from_dict(config)
     torch.set_num_threads(_threads_per_worker())

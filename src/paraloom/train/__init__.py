@@ -1,4 +1,4 @@
-"""Training: the one loop (loop.py), the strategies it runs (strategy.py, strategies/), and their helpers."""
+"""Training: the one loop (loop.py), the strategies it runs (strategies/), and their helpers."""
 
 from paraloom.train.loop import train
 

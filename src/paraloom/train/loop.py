@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import broadcast_text, gather_floats
 from paraloom.config import Config
 from paraloom.config.errors import UserError
@@ -31,18 +30,17 @@ from paraloom.perfmodel.runs import history
 from paraloom.perfmodel.runs.contract import TERMS, Contract, load_or_predict, report
 from paraloom.topology import node_count
 from paraloom.trace import Timeline
-from paraloom.train.checkpoint import PendingSave
-from paraloom.train.checkpointing import Checkpoints
+from paraloom.train.checkpoint.manager import CheckpointManager
+from paraloom.train.checkpoint.records import ProgressMarker, read_resumes
+from paraloom.train.checkpoint.resize_policy import resized_config
 from paraloom.train.faults import FaultInjector
 from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure, peer_failure
 from paraloom.train.health import Health
 from paraloom.train.loss_eval import planned_steps, steps_per_epoch
 from paraloom.train.metrics import MetricsLogger, memory_mb, save_state
 from paraloom.train.progress import TrainProgress
-from paraloom.train.resize_policy import resized_config
-from paraloom.train.resume import ProgressMarker, read_resumes
-from paraloom.train.strategies import StepResult, Strategy
-from paraloom.train.strategy import make_strategy
+from paraloom.train.strategies import make_strategy
+from paraloom.train.strategies.base import StepResult, Strategy
 
 
 def shared_run_dir(run_dir: Path | None) -> Path | None:
@@ -68,13 +66,13 @@ def train(cfg: Config, run_dir: Path | None, *, device: torch.device,
         if not strategy.serves:
             return loop.run()
         served = strategy.serve(loop.save)
-        loop.drain_saves()
+        loop.drain_saves()  # a serving rank's last checkpoint is whole before it reports
         return served
     finally:
         strategy.close()
 
 
-class Loop(Checkpoints):
+class Loop:
     """One rank's run: the step loop and everything around it, for any strategy."""
 
     def __init__(self, cfg: Config, strategy: Strategy, data: DataSets, run_dir: Path | None, *,
@@ -107,13 +105,25 @@ class Loop(Checkpoints):
         self.ema_epoch_accuracy: list[list[Any]] = []  # the same for the weight average (optim.ema)
         self.operation, self.bad_in_row = "start", 0
         self.train_peak = 0.0  # bytes a GPU held at most while training (note_peak)
-        self.pending: PendingSave | None = None  # run.async_checkpoint: the checkpoint being written
-        # DCP writes from a thread of its own: its collectives get a gloo group of their own
-        self.async_group = dist.new_group(backend="gloo", timeout=default_timeout()) \
-            if cfg.run.async_checkpoint else None
         # optim.ema: built once the strategy has bound its tensors (the engine's flat buffers)
         self.ema = WeightAverage(strategy.model, cfg.optim.ema) if cfg.optim.ema is not None else None
-        self.resumed = self.resume()
+        self.checkpointer = CheckpointManager(cfg, strategy, run_dir, rank=self.rank, device=device,
+                                              is_main=self.is_main, total_steps=self.total_steps,
+                                              ema=self.ema)
+        restored = self.checkpointer.resume()
+        if restored is not None:
+            self.step = restored.step
+            self.counters.update(restored.counters)
+        strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Write the checkpoint of `step` with the strategy's `state` (collective); a serving rank's too
+        (Strategy.serve)."""
+        self.counters["checkpoint_seconds"] += self.checkpointer.save(step, state, self.counters)
+
+    def drain_saves(self) -> None:
+        """Wait for the checkpoint being written behind training (run.async_checkpoint), if any."""
+        self.counters["checkpoint_seconds"] += self.checkpointer.drain()
 
     def make_contract(self) -> Contract:
         """The run's prediction of itself (rank 0, before the first step) and this rank's record."""
@@ -193,7 +203,7 @@ class Loop(Checkpoints):
         self.faults.delay_data()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         data = fetched - self.step_end + time.perf_counter() - copying
-        saving = self.saves_after(step)
+        saving = self.checkpointer.saves_after(step)
         with self.faults.during(step, self.strategy.model):
             result = self.strategy.train_step(x, y, global_count, scale=scale, step=step, saving=saving)
         self.faults.computed(result.compute_seconds - self.faults.slept)

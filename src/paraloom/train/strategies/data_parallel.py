@@ -19,7 +19,7 @@ from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
 from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
-from paraloom.train.strategies import EngineStrategy, StepResult
+from paraloom.train.strategies.base import EngineStrategy, StepResult
 
 
 class DataParallelStrategy(EngineStrategy):

@@ -48,7 +48,7 @@ from paraloom.tensor_parallel.mappings import gather_from_region
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
 from paraloom.train.loss_eval import evaluate, planned_steps
-from paraloom.train.strategies import EngineStrategy, StepResult
+from paraloom.train.strategies.base import EngineStrategy, StepResult
 
 EVAL_BATCH = 64
 

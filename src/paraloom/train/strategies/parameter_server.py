@@ -46,7 +46,7 @@ from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.throughput import all_workers_throughput
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
-from paraloom.train.strategies import StepResult, Strategy
+from paraloom.train.strategies.base import StepResult, Strategy
 
 
 class ParameterServerStrategy(Strategy):

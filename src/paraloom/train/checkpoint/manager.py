@@ -1,5 +1,9 @@
-"""The loop's checkpoints: saving (at once, or behind training), resuming (at the saved size or another),
-and the record of each resume and resize."""
+"""The loop's checkpoints as one component: when to save, saving (at once, or behind training),
+resuming (at the saved size or another), and the record of each resume and resize.
+
+The loop holds a CheckpointManager (as torchtitan's trainer holds its checkpointer) and hands it what a
+checkpoint holds; `resume` gives back what it restored (a Restored), which the loop takes in.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paraloom.comm.collectives import default_timeout
 from paraloom.config import Config
 from paraloom.config.errors import UserError
 from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.runs.contract import replan
-from paraloom.train.checkpoint import (
+from paraloom.train.checkpoint.records import PROGRESS, record_resize, record_resume
+from paraloom.train.checkpoint.store import (
     PendingSave,
     agree_on_checkpoint,
     load_parts,
@@ -24,56 +30,64 @@ from paraloom.train.checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from paraloom.train.resume import PROGRESS, record_resize, record_resume
-from paraloom.train.strategies import Strategy
+from paraloom.train.strategies.base import Strategy
 
 
-class Checkpoints:
-    """Loop's part that writes and reads checkpoints (a mixin: Loop sets the attributes named here)."""
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What a resume read back for the loop."""
 
-    cfg: Config
-    strategy: Strategy
-    run_dir: Path | None
-    rank: int
-    device: torch.device
-    is_main: bool
-    step: int
-    total_steps: int
-    counters: dict[str, Any]
-    started_at: float
-    pending: PendingSave | None
-    async_group: dist.ProcessGroup | None
-    ema: WeightAverage | None
+    step: int  # the last step the checkpoint had done
+    counters: dict[str, Any]  # the loop's counters as saved (samples, traffic, seconds, ...)
 
 
-    def resume(self) -> int | None:
-        """Load the newest whole checkpoint of the run directory, if any (collective). One that another
-        number or layout of ranks saved loads where the strategy can carry its state over
-        (resize_refusal)."""
+class CheckpointManager:
+    """One rank's checkpoints: saved and resumed collectively over the strategy's checkpoint group.
+
+    `strategy` gives and takes its own state; `ema` (optim.ema's average, or None) is saved beside it;
+    the RNG states are saved and restored here. `total_steps`: the run's last step, always saved."""
+
+    def __init__(self, cfg: Config, strategy: Strategy, run_dir: Path | None, *, rank: int,
+                 device: torch.device, is_main: bool, total_steps: int, ema: WeightAverage | None) -> None:
+        self.cfg, self.strategy, self.run_dir = cfg, strategy, run_dir
+        self.rank, self.device, self.is_main = rank, device, is_main
+        self.total_steps, self.ema = total_steps, ema
+        self.pending: PendingSave | None = None  # run.async_checkpoint: the checkpoint being written
+        # DCP writes from a thread of its own: its collectives get a gloo group of their own
+        self.async_group = dist.new_group(backend="gloo", timeout=default_timeout()) \
+            if cfg.run.async_checkpoint else None
+
+    # ---- resuming
+
+    def resume(self) -> Restored | None:
+        """Load the newest whole checkpoint of the run directory, if any (collective), and give back its
+        step and counters. One that another number or layout of ranks saved loads where the strategy
+        can carry its state over (resize_refusal)."""
         group = self.strategy.checkpoint_group
         found = agree_on_checkpoint(self.run_dir, group=group, grid=self.strategy.grid_record())
+        restored = None
         if found is not None:
-            resumed, saved_world, same_grid = found
-            self.refuse_another_strategy(resumed)
+            step, saved_world, same_grid = found
+            self.refuse_another_strategy(step)
             world = dist.get_world_size(group)
             resized = saved_world != world or not same_grid
             refusal = self.strategy.resize_refusal() if resized else None
             if refusal is not None:
                 layout = f"{saved_world} ranks, this run has {world}" if saved_world != world else \
                     f"another layout of {world} ranks ({self.strategy.grid_record()} now)"
-                raise UserError(f"the checkpoint of step {resumed} in {self.run_dir} was saved by {layout}: "
+                raise UserError(f"the checkpoint of step {step} in {self.run_dir} was saved by {layout}: "
                                 f"{refusal}")
-            self.load_resumed(resumed, saved_world, resized)
+            restored = self._load(step, saved_world, resized)
             if self.is_main:
                 size = f" (saved by {saved_world} ranks, resumed on {world})" if resized else ""
-                print(f"paraloom: resuming from checkpoint step {self.step} of {self.total_steps}{size}",
+                print(f"paraloom: resuming from checkpoint step {restored.step} of {self.total_steps}{size}",
                       file=sys.stderr)
             if resized and self.is_main and self.run_dir is not None:
-                self.record_resize(resumed, saved_world, world)
-        self.strategy.take_comm()  # loading and the initial broadcast are not a training step's traffic
+                self._record_resize(step, saved_world, world)
         if self.is_main and self.run_dir is not None and (self.run_dir / PROGRESS).exists():
-            record_resume(self.run_dir, self.step)  # an earlier attempt trained here
-        return None if found is None else found[0]
+            # an earlier attempt trained here
+            record_resume(self.run_dir, 0 if restored is None else restored.step)
+        return restored
 
     def refuse_another_strategy(self, step: int) -> None:
         """One line, not a missing key deep in the load, when a kind of parallelism this strategy cannot
@@ -85,18 +99,17 @@ class Checkpoints:
                             "resume it with the parallel settings it was saved with, or set another "
                             "run.out_dir to start afresh")
 
-    def load_resumed(self, step: int, saved_world: int, resized: bool) -> None:
-        """Read the checkpoint of `step` into the strategy, the step, the counters and the RNG states."""
+    def _load(self, step: int, saved_world: int, resized: bool) -> Restored:
+        """Read the checkpoint of `step` into the strategy, the weight average and the RNG states."""
         saved_grid = manifest_of(step_dir(self.run_dir, step)).get("grid") if resized else None
         sources = self.strategy.resize_sources(saved_world, saved_grid) if resized else [self.rank]
         shared, (local, *others) = load_parts(self.run_dir, step, sources, self.device,
                                               self.strategy.checkpoint_group,
                                               make_sharded=self.strategy.make_sharded)
-        self.step = int(local.pop("step"))
-        self.counters.update(local.pop("counters", {}))
+        restored = Restored(step=int(local.pop("step")), counters=local.pop("counters", {}))
         rng = local.pop("rng")
-        self.load_weight_average(local.pop("ema", None), resized and (saved_grid is not None or
-                                                                    self.strategy.grid_record() is not None))
+        self._load_weight_average(local.pop("ema", None), resized and (saved_grid is not None or
+                                                                     self.strategy.grid_record() is not None))
         if resized:
             for other in others:
                 for key in ("step", "counters", "rng", "ema"):
@@ -107,8 +120,9 @@ class Checkpoints:
         torch.set_rng_state(rng["torch"].cpu())
         if self.device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"].cpu(), self.device)
+        return restored
 
-    def load_weight_average(self, state: dict[str, Any] | None, regridded: bool) -> None:
+    def _load_weight_average(self, state: dict[str, Any] | None, regridded: bool) -> None:
         """optim.ema's average from the checkpoint: every data-parallel replica's is the same, so any
         rank's serves another size; a stage's or a slice's serves only its own place in the grid."""
         if self.ema is None:
@@ -120,7 +134,7 @@ class Checkpoints:
                             "set another run.out_dir to start afresh")
         self.ema.load_state_dict(state)
 
-    def record_resize(self, step: int, saved_world: int, world: int) -> None:
+    def _record_resize(self, step: int, saved_world: int, world: int) -> None:
         """Predict the step at the new size beside the old (the run's own profile) and keep the record."""
         cfg, manifest = self.cfg, manifest_of(step_dir(self.run_dir, step))
         servers = old_servers = cfg.ps.servers if cfg.parallel.mode == "ps" else 0
@@ -139,35 +153,43 @@ class Checkpoints:
         record_resize(self.run_dir, {"step": step, "old_world_size": saved_world, "new_world_size": world,
                                      **planned}, saved_at=saved_at)
 
+    # ---- saving
+
     def saves_after(self, step: int) -> bool:
+        """Whether a checkpoint follows `step` (run.checkpoint_every, and the last step)."""
         every = self.cfg.run.checkpoint_every
         return self.run_dir is not None and (step == self.total_steps or bool(every) and step % every == 0)
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Write the checkpoint of `step` (collective over the strategy's checkpoint group)."""
+    def save(self, step: int, state: dict[str, Any], counters: dict[str, Any]) -> float:
+        """Write the checkpoint of `step` (collective over the strategy's checkpoint group): the strategy's
+        `state` (its "shared" part written once), the loop's `counters`, the RNG states and the weight
+        average. Returns the seconds it held training up."""
         began = time.perf_counter()
         shared = state.pop("shared", None)
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        local = {"step": step, "counters": dict(self.counters), "rng": rng, **state}
+        local = {"step": step, "counters": dict(counters), "rng": rng, **state}
         if self.ema is not None:
             local["ema"] = self.ema.state_dict()
-        self.drain_saves()  # one checkpoint in flight at most
+        waited = self.drain()  # one checkpoint in flight at most
         self.pending = save_checkpoint(
             self.run_dir, step, local=local, shared=shared if self.is_main else None,
             keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
             async_group=self.async_group, seal_behind=True,
             meta={"saved_at": time.time(), "strategy": self.strategy.name,
                   "grid": self.strategy.grid_record(),
-                  # the data position and the batch it was taken at (train/resize_policy.py)
-                  "samples": self.counters["samples"], "global_batch": self.cfg.data.batch_size,
+                  # the data position and the batch it was taken at (checkpoint/resize_policy.py)
+                  "samples": counters["samples"], "global_batch": self.cfg.data.batch_size,
                   "dp_size": self.strategy.dp_world_size})
-        self.counters["checkpoint_seconds"] += time.perf_counter() - began
+        # the wait for the one before is counted twice (alone and within the whole), as the loop did
+        return waited + time.perf_counter() - began
 
-    def drain_saves(self) -> None:
-        """Wait for the checkpoint being written behind training (run.async_checkpoint), if any."""
-        if self.pending is not None:
-            began, pending, self.pending = time.perf_counter(), self.pending, None
-            pending.wait()
-            self.counters["checkpoint_seconds"] += time.perf_counter() - began
+    def drain(self) -> float:
+        """Wait for the checkpoint being written behind training (run.async_checkpoint), if any; the
+        seconds waited."""
+        if self.pending is None:
+            return 0.0
+        began, pending, self.pending = time.perf_counter(), self.pending, None
+        pending.wait()
+        return time.perf_counter() - began

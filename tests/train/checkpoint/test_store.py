@@ -8,7 +8,7 @@ import torch
 from distributed import run_workers
 
 from paraloom.comm.objects import broadcast_text
-from paraloom.train.checkpoint import (
+from paraloom.train.checkpoint.store import (
     agree_on_checkpoint,
     latest_valid,
     load_checkpoint,

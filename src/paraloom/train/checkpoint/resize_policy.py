@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.config import Config
-from paraloom.train.checkpoint import latest_valid, manifest_of
+from paraloom.train.checkpoint.store import latest_valid, manifest_of
 from paraloom.train.loss_eval import planned_steps, steps_per_epoch
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from paraloom.train import state_tree
+from paraloom.train.checkpoint import state_tree
 
 FOLDER = "checkpoints"
 ROOT = "state"  # every tensor under one key: DCP logs each top-level key it turns into a state dict
