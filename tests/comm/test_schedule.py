@@ -5,7 +5,8 @@ import torch
 
 from paraloom.comm.executor import CommThread, Executor
 from paraloom.comm.policies import CommTask, FifoScheduler, WaitFreeScheduler
-from paraloom.comm.schedulers import make_scheduler
+from paraloom.comm.schedulers import ENGINE_NEEDS, SCHEDULERS, make_scheduler
+from paraloom.config.choices import SCHEDULERS as SCHEDULER_NAMES
 from paraloom.config.errors import UserError
 from paraloom.data_parallel.bucket import assign_buckets
 
@@ -79,3 +80,17 @@ def test_buckets_fill_in_order_with_a_small_first_one_and_split_by_dtype():
     mixed = [(100, f32), (100, f16), (100, f32), (100, f16)]
     assert assign_buckets(mixed, bucket_bytes=200, first_bucket_bytes=200) == [[0, 2], [1, 3]]
     assert assign_buckets([], 10, 10) == []
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_each_scheduler_declares_what_the_engine_must_do_for_it(name):
+    """The engine reads a scheduler's needs from its class (no name comparisons): each one says
+    every need itself, as a bool, rather than inheriting it by accident."""
+    declared = vars(SCHEDULERS[name])
+    assert {need: type(declared.get(need)) for need in ENGINE_NEEDS} == dict.fromkeys(ENGINE_NEEDS, bool)
+    assert SCHEDULERS.keys() == set(SCHEDULER_NAMES)
+
+
+def test_only_the_priority_scheduler_needs_more_than_the_engine_group_and_buckets():
+    needs = {name: tuple(getattr(cls, need) for need in ENGINE_NEEDS) for name, cls in SCHEDULERS.items()}
+    assert needs == {"fifo": (False,) * 4, "wait_free": (False,) * 4, "priority": (True,) * 4}

@@ -191,11 +191,21 @@ def _signature_and_positional(rank, world):
 
 
 def test_ddp_positional_arguments_and_signature():
+    """DDP's arguments bind in the installed torch's order (positionally or by name); paraloom's own
+    are keywords of DataParallel's signature, with the comm.* config's defaults."""
     import inspect
 
+    from paraloom.config import CommConfig
+    from paraloom.data_parallel import ddp_args
+
     ddp = list(inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters)
-    ours = list(inspect.signature(DataParallel).parameters)
-    assert ours[: len(ddp)] == ddp
+    assert list(ddp_args.DDP_SIGNATURE.parameters)[1:] == ddp
+    ours = inspect.signature(DataParallel).parameters
+    kinds = [p.kind for p in ours.values()]
+    assert list(ours)[0] == "module" and kinds[1] == inspect.Parameter.VAR_POSITIONAL
+    assert kinds[-1] == inspect.Parameter.VAR_KEYWORD
+    assert ours["bucket_mb"].default == CommConfig().bucket_mb and ours["scheduler"].default == "wait_free"
+    assert not set(ours) & set(ddp[1:])  # no name of DDP's is taken by paraloom's options
     assert run_workers(_signature_and_positional, 2) == [(True, True)] * 2
 
 
@@ -275,12 +285,14 @@ def test_ddp_arguments_without_a_process_group():
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="move the module to that device first"):
-        ddp_args.resolve(ddp_args.bind((None, model), {"device_ids": [0]}))
+        ddp_args.resolve(ddp_args.bind(model, (), {"device_ids": [0]}))
     with pytest.raises(ValueError, match="not both"):
-        ddp_args.resolve(ddp_args.bind((None, model), {"bucket_cap_mb": 5, "bucket_mb": 3}))
-    resolved = ddp_args.resolve(ddp_args.bind((None, model), {"broadcast_buffers": False}))
+        ddp_args.resolve(ddp_args.bind(model, (), {"bucket_cap_mb": 5}), bucket_mb=3)
+    resolved = ddp_args.resolve(ddp_args.bind(model, (), {"broadcast_buffers": False}))
     assert not resolved["forward_sync_buffers"] and not resolved["init_sync_buffers"]
-    assert ddp_args.resolve(ddp_args.bind((None, model), {"device_ids": ["cpu"]}))["device_ids"] == ["cpu"]
+    assert ddp_args.resolve(ddp_args.bind(model, (), {"device_ids": ["cpu"]}))["device_ids"] == ["cpu"]
+    with pytest.raises(TypeError, match="no_such_argument"):  # as torch refuses it
+        ddp_args.bind(model, (), {"no_such_argument": 1})
 
 
 def _dcp_between(rank, world, path):

@@ -17,7 +17,7 @@ VARIANTS = ("ddp", "ddp_view", "fifo", "wait_free", "priority", "auto", "one_ste
 DROP_IN = ("drop_in", "priority_drop_in")
 OPT_IN = ("auto_bucket",)  # run when asked for (--variants): up to 40 more trial steps a round than auto
 # also on request, "A>B" (A, B of SWITCHABLE): the engine built for A runs as many steps as auto's
-# trials, then is switched to B as auto switches (finish, configure) and timed under B: whether a
+# trials, then is switched to B as auto switches (engine.relayout) and timed under B: whether a
 # scheduler reached by switching runs as fast as the same one built fresh
 SWITCHABLE = ("fifo", "wait_free", "priority")
 ENGINE_KWARGS = {"fifo": {"scheduler": "fifo"}, "wait_free": {"scheduler": "wait_free"},
@@ -42,7 +42,6 @@ def _variant(options: dict[str, Any], variant: str, rank: int, traced: bool):
 
     from paraloom.data_parallel import DataParallel, DistributedOptimizer
     from paraloom.data_parallel.auto import TRIAL_STEPS
-    from paraloom.data_parallel.configure import configure
 
     torch.manual_seed(0)
     model = _model(options["hidden"], options["depth"])
@@ -68,8 +67,7 @@ def _variant(options: dict[str, Any], variant: str, rank: int, traced: bool):
 
     def step(x, y):
         if until_switch[0] == 0:
-            engine.finish()
-            configure(engine, then)
+            engine.relayout(then)
         until_switch[0] -= 1
         if variant in DROP_IN or variant.startswith("ddp"):  # torch's loop
             optimizer.zero_grad(set_to_none=variant in DROP_IN)

@@ -34,6 +34,16 @@ class FifoScheduler:
     """Synchronize after backward, in back-propagation order, with no overlap."""
 
     name = "fifo"
+    # What the engine must do for a policy (data_parallel/layout.py, updaters.py, auto.py read these;
+    # nothing outside comm/schedulers.py branches on a policy's name):
+    # True: launches follow each rank's own progress, so its collectives go on a group of their own
+    own_group = False
+    # True: the executor bounds the bytes in flight (CreditExecutor, comm.credit_mb)
+    credit_window = False
+    # True: gradients travel as partitions of comm.partition_mb instead of buckets of comm.bucket_mb
+    cuts_pieces = False
+    # True: each module's update waits for its next forward (data_parallel/deferred_updates.py)
+    defers_updates = False
 
     @staticmethod
     def next_batch(ready: list[int], launched: int, flushing: bool) -> list[int]:
@@ -44,6 +54,10 @@ class WaitFreeScheduler:
     """Launch every task as soon as it is ready and all tasks before it have been launched."""
 
     name = "wait_free"
+    own_group = False  # launched from backward's own thread, in key order: the engine's group will do
+    credit_window = False  # every ready bucket goes at once
+    cuts_pieces = False  # whole buckets
+    defers_updates = False  # one optimizer step after the average
 
     @staticmethod
     def next_batch(ready: list[int], launched: int, flushing: bool) -> list[int]:

@@ -61,6 +61,11 @@ class PriorityScheduler:
     """Launch tasks in a planned order; key order until a plan is set."""
 
     name = "priority"
+    # what the engine must do for it (comm/policies.py's FifoScheduler says what each means)
+    own_group = True  # the credit window's issuing thread launches as this rank's backward goes
+    credit_window = True  # the link stays busy while the queue stays reorderable
+    cuts_pieces = True  # the plan orders partitions, so the first layers' go out first
+    defers_updates = True  # a module's next forward applies its update once its partitions land
 
     def __init__(self) -> None:
         self.order: list[int] | None = None

@@ -31,9 +31,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from paraloom.comm.schedulers import SCHEDULERS
 from paraloom.config.choices import AUTO_START_BUCKET_MB, BUCKET_SIZES_MB
 from paraloom.data_parallel.bucket import assign_buckets
-from paraloom.data_parallel.configure import MB, configure
+from paraloom.data_parallel.layout import MB
 
 CANDIDATES = ("wait_free", "fifo", "priority")  # the engine starts with the first
 BUCKET_SIZES, START_BUCKET_MB = BUCKET_SIZES_MB, AUTO_START_BUCKET_MB
@@ -70,9 +71,10 @@ class AutoScheduler:
     bucket sizes under the scheduler kept. Candidates take turns (`ROUNDS` blocks each), so a
     machine that slows down or warms up over the trials weighs on all of them alike."""
 
-    def __init__(self, engine, *, schedulers: tuple[str, ...] = CANDIDATES, buckets: bool = False) -> None:
+    def __init__(self, engine, bucket_mb: float, *, schedulers: tuple[str, ...] = CANDIDATES,
+                 buckets: bool = False) -> None:
         self.engine, self.buckets = engine, buckets
-        self._begin([(name, engine._options["bucket_mb"]) for name in schedulers])
+        self._begin([(name, bucket_mb) for name in schedulers])
         self.scheduler: str | None = None  # kept after the first phase
         self.chosen: dict | None = None  # {"scheduler", "seconds": {scheduler: median step}, ...}
 
@@ -116,13 +118,13 @@ class AutoScheduler:
         seconds = dict(zip((name for name, _ in trials), self._slowest_medians(trials), strict=True))
         best = fastest(seconds)
         self.scheduler, self.seconds = best, seconds
-        size = self.engine._options["bucket_mb"]
-        sizes = self._distinct_sizes(size) if self.buckets and best != "priority" else []
+        size, cuts_pieces = self.engine.layout.bucket_mb, SCHEDULERS[best].cuts_pieces
+        sizes = self._distinct_sizes(size) if self.buckets and not cuts_pieces else []
         if sizes:  # the bucket sizes next, under the scheduler kept, the first phase's size among them
             self._begin([(best, mb) for mb in (size, *sizes)])
             self._switch(*self.order[0])
             return
-        self._settle(best, size if best != "priority" else None, {})
+        self._settle(best, None if cuts_pieces else size, {})
 
     def _settle_bucket(self) -> None:
         medians = dict(zip((mb for _, mb in self.trials), self._slowest_medians(self.trials), strict=True))
@@ -134,8 +136,8 @@ class AutoScheduler:
         self.chosen = {"scheduler": scheduler, "seconds": seconds}
         if self.buckets:
             self.chosen.update(bucket_mb=bucket_mb, bucket_seconds=bucket_seconds)
-        if (scheduler, bucket_mb) != (engine.scheduler, engine._options["bucket_mb"]):
-            self._switch(scheduler, bucket_mb if bucket_mb is not None else engine._options["bucket_mb"])
+        if (scheduler, bucket_mb) != (engine.scheduler, engine.layout.bucket_mb):
+            self._switch(scheduler, bucket_mb if bucket_mb is not None else engine.layout.bucket_mb)
         if engine.rank == 0:
             print(f"paraloom: {self._summary()}", file=sys.stderr)
 
@@ -152,7 +154,7 @@ class AutoScheduler:
         if self.buckets:
             sizes = chosen["bucket_seconds"]
             if chosen["bucket_mb"] is None:
-                text += "; comm.bucket_mb=auto: priority cuts partitions of comm.partition_mb instead"
+                text += f"; comm.bucket_mb=auto: {best} cuts partitions of comm.partition_mb instead"
             elif sizes:
                 tried = ", ".join(f"{mb:g} MB {t * 1e3:.1f}" for mb, t in sizes.items())
                 text += f"; comm.bucket_mb=auto chose {chosen['bucket_mb']:g} MB ({tried} ms a step)"
@@ -165,7 +167,7 @@ class AutoScheduler:
         (and than each other)."""
         engine = self.engine
         sizes = [(p.numel() * p.element_size(), p.dtype) for p in engine.params]
-        first = int(engine._options["first_bucket_mb"] * MB)
+        first = int(engine.comm_options["first_bucket_mb"] * MB)
         seen = {str(assign_buckets(sizes, int(start * MB), first))}
         kept = []
         for mb in BUCKET_SIZES:
@@ -176,11 +178,6 @@ class AutoScheduler:
         return kept
 
     def _switch(self, scheduler: str, bucket_mb: float) -> None:
-        """Land whatever is pending (priority defers updates), then rebuild for `scheduler` and
-        `bucket_mb`."""
-        engine = self.engine
-        engine.finish()
-        engine._options["bucket_mb"] = bucket_mb
-        configure(engine, scheduler)
-        if engine._guard_asked is not None:
-            engine.guard_nonfinite(*engine._guard_asked)
+        """The engine's layout rebuilt for `scheduler` and `bucket_mb` (`engine.relayout` lands what
+        is pending first: priority defers updates)."""
+        self.engine.relayout(scheduler, bucket_mb)

@@ -1,8 +1,10 @@
-"""DataParallel's constructor: torch DDP's arguments in the installed torch's own order, then paraloom's.
+"""DataParallel's constructor: torch DDP's arguments in the installed torch's own order, beside paraloom's.
 
-The signature is read from `DistributedDataParallel.__init__` of the torch at hand, so a script
-that passes DDP's arguments positionally or by name keeps working under any torch paraloom
-supports. What each DDP argument means here (`resolve`):
+`DataParallel(module, *ddp_args, <paraloom's options>, **ddp_kwargs)`: paraloom's options are
+keywords of its own signature; DDP's arguments are bound here against
+`DistributedDataParallel.__init__` of the torch at hand (`bind`), so a script that passes them
+positionally or by name keeps working under any torch paraloom supports, and an unknown one is
+refused as torch refuses it. What each DDP argument means here (`resolve`):
 
 - module, process_group (or device_mesh, 1-D), bucket_cap_mb, init_sync, broadcast_buffers /
   forward_sync_buffers, device_ids: as in DDP.
@@ -28,41 +30,29 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paraloom.config import CommConfig
 
-_D = CommConfig()
-# paraloom's own options, keyword-only, after DDP's: the comm.* config keys and the engine's wiring
-PARALOOM_OPTIONS: dict[str, Any] = {
-    "group": None, "bucket_mb": _D.bucket_mb, "first_bucket_mb": _D.first_bucket_mb,
-    "scheduler": _D.scheduler, "algorithm": _D.algorithm, "stats": None, "sync": _D.sync,
-    "local_steps": _D.local_steps, "local_warmup": _D.local_warmup, "shard_optimizer": _D.shard_optimizer,
-    "partition_mb": _D.partition_mb, "credit_mb": _D.credit_mb, "delay_lr": _D.delay_lr,
-    "compressor": _D.compressor, "compressor_options": None, "timeline": None, "comm_group": None,
-    "topology": None, "comm": None,
-}
+DEFAULTS = CommConfig()  # the defaults of DataParallel's own keyword options (comm.* config keys)
 ENGINE_OPTIONS = ("bucket_mb", "first_bucket_mb", "scheduler", "algorithm", "sync", "local_steps",
                   "local_warmup", "shard_optimizer", "partition_mb", "credit_mb", "delay_lr", "compressor")
 _REFUSED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce", "mixed_precision",
             "bucket_cap_mb_list")
+# DDP's own arguments, self and module first, as the installed torch names and orders them
+DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__)
 
 
-def _signature() -> inspect.Signature:
-    ddp = list(inspect.signature(DistributedDataParallel.__init__).parameters.values())
-    own = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-           for name, default in PARALOOM_OPTIONS.items()]
-    return inspect.Signature([*ddp, *own])
-
-
-SIGNATURE = _signature()
-
-
-def bind(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Every argument by name, defaults filled in, as `DataParallel(*args, **kwargs)` gave them."""
-    bound = SIGNATURE.bind(*args, **kwargs)
+def bind(module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DDP's arguments by name, defaults filled in, as `DataParallel(module, *args, **kwargs)` gave
+    them (paraloom's own options aside); an unknown or doubled one is torch's TypeError."""
+    bound = DDP_SIGNATURE.bind(None, module, *args, **kwargs)
     bound.apply_defaults()
-    return dict(bound.arguments)
+    given = dict(bound.arguments)
+    del given["self"]
+    return given
 
 
-def resolve(given: dict[str, Any]) -> dict[str, Any]:
-    """DDP's arguments turned into the engine's settings: group, bucket_mb, init_sync, buffer syncs."""
+def resolve(given: dict[str, Any], *, group=None,
+            bucket_mb: float | str = DEFAULTS.bucket_mb) -> dict[str, Any]:
+    """DDP's arguments (`bind`) turned into the engine's settings: group, bucket_mb, init_sync, buffer
+    syncs; `group` and `bucket_mb` are paraloom's names for DDP's process_group and bucket_cap_mb."""
     for name in _REFUSED:
         if given.get(name) is not None:
             raise ValueError(f"DataParallel does not implement DDP's {name}=; leave it unset")
@@ -77,21 +67,20 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
         if have != want:
             raise ValueError(f"device_ids={list(device_ids)} but the module's parameters are on {have}: "
                              "move the module to that device first (module.to(device)), as DDP requires")
-    group = given.get("process_group")
+    ddp_group = given.get("process_group")
     mesh = given.get("device_mesh")
     if mesh is not None:
-        if group is not None:
+        if ddp_group is not None:
             raise ValueError("give process_group= or device_mesh=, not both")
         if mesh.ndim != 1:
             raise ValueError(f"device_mesh must be 1-D for data parallelism, got {mesh.ndim}-D")
-        group = mesh.get_group()
-    if given.get("group") is not None:
-        if group is not None:
+        ddp_group = mesh.get_group()
+    if group is not None:
+        if ddp_group is not None:
             raise ValueError("give group= or process_group=, not both (they are the same thing)")
-        group = given["group"]
-    bucket_mb = given["bucket_mb"]
+        ddp_group = group
     if given.get("bucket_cap_mb") is not None:
-        if bucket_mb != _D.bucket_mb:
+        if bucket_mb != DEFAULTS.bucket_mb:
             raise ValueError("give bucket_cap_mb= or bucket_mb=, not both (they are the same thing)")
         bucket_mb = float(given["bucket_cap_mb"])
     broadcast, forward = given.get("broadcast_buffers"), given.get("forward_sync_buffers")
@@ -99,18 +88,17 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
         init_buffers = True
     else:
         forward = init_buffers = broadcast if broadcast is not None else True
-    return {"group": group, "bucket_mb": bucket_mb, "init_sync": bool(given.get("init_sync", True)),
+    return {"group": ddp_group, "bucket_mb": bucket_mb, "init_sync": bool(given.get("init_sync", True)),
             "forward_sync_buffers": bool(forward), "init_sync_buffers": bool(init_buffers),
             "device_ids": list(device_ids) if device_ids is not None else None}
 
 
-def engine_options(given: dict[str, Any]) -> dict[str, Any]:
-    """The engine's comm.* options: from `comm=` (a CommConfig) or the keywords, never both."""
-    options = {name: given[name] for name in ENGINE_OPTIONS}
-    extra = dict(given["compressor_options"] or {})
-    comm = given["comm"]
+def engine_options(comm, compressor_options: dict | None, **options) -> dict[str, Any]:
+    """The engine's comm.* options (`ENGINE_OPTIONS`): from `comm=` (a CommConfig) or the keywords,
+    never both; `compressor_options` join the config's."""
+    extra = dict(compressor_options or {})
     if comm is not None:
-        set_too = sorted(k for k, v in options.items() if v != getattr(_D, k))
+        set_too = sorted(k for k, v in options.items() if v != getattr(DEFAULTS, k))
         if set_too:
             raise TypeError(f"give engine options in comm= or as keywords, not both: {set_too}")
         options = {name: getattr(comm, name) for name in ENGINE_OPTIONS}
@@ -120,9 +108,8 @@ def engine_options(given: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def data_parallel_group(given: dict[str, Any], group):
-    """The group from `topology=` (a Topology, whose groups are made now, or its RankGroups) or `group`."""
-    topology = given["topology"]
+def data_parallel_group(topology, group):
+    """The group from `topology` (a Topology, whose groups are made now, or its RankGroups) or `group`."""
     if topology is None:
         return group
     if group is not None:

@@ -78,8 +78,8 @@ class DDPInterface:
         joining = self._join_config.enable
         if joining:  # inside an enabled Join: tell the ranks that ran out of batches what comes
             Join.notify_join_context(self)
-            self._join_count = join.announce(self)
-        if self._sync_buffers_next and self.forward_sync_buffers and self.world_size > 1:
+            self.join_run.announce(self)
+        if self.require_forward_param_sync and self.forward_sync_buffers and self.world_size > 1:
             if joining:
                 join.sync_buffers_joined(self, training=True)
             else:
@@ -89,13 +89,13 @@ class DDPInterface:
 
     @torch.compiler.disable
     def _post_forward(self) -> None:
-        self._sync_buffers_next = torch.is_grad_enabled() and self._sync
+        self.require_forward_param_sync = torch.is_grad_enabled() and self._sync
         self.updater.after_forward()
         self.forward_done_at = time.perf_counter()
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
-        self._launched_in_backward = self._executor.launched
+        self._launched_in_backward = self.layout.executor.launched
         try:
             self.sync_gradients()
         except RuntimeError as exc:  # DDP without join() hangs here; say what most likely happened
@@ -109,21 +109,24 @@ class DDPInterface:
     @property
     def launched_in_backward(self) -> int:
         """Collectives launched while the last backward ran, before the end-of-backward wait."""
-        return self._launched_in_backward if self._synced else self._executor.launched
+        return self._launched_in_backward if self._synced else self.layout.executor.launched
 
     @torch.no_grad()
     def _bind_missing_grads(self) -> None:
         """Gradients set to None (`optimizer.zero_grad()`'s default) become zeroed bucket views again
         before backward, so autograd accumulates straight into the buckets: no copy per step."""
-        for bucket in self.buckets:
+        unused = self.unused
+        for bucket in self.layout.buckets:
             if any(p.grad is None for p in bucket.params):
-                if self.find_unused:
-                    self._none_before.update(p for p in bucket.params if p.grad is None)
+                if unused is not None:
+                    unused.note_missing(bucket.params)
                 bucket.bind_all()
 
-    def _refuse_plain_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
-        """An optimizer step pre-hook: under updaters that own the update, only the engine steps."""
-        if self._stepping or not any(p in self._slot for g in optimizer.param_groups for p in g["params"]):
+    def refuse_plain_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
+        """An optimizer step pre-hook (the layout registers it): under updaters that own the update,
+        only the engine steps."""
+        slot = self.layout.slot
+        if self._stepping or not any(p in slot for g in optimizer.param_groups for p in g["params"]):
             return
         raise RuntimeError(f"{type(self.updater).__name__} applies the update itself, so a plain "
                            "optimizer.step() would skip it: wrap the optimizer, "

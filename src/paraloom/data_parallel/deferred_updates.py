@@ -24,7 +24,7 @@ class PriorityUpdater(SyncUpdater):
     plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
     lands_on_read = True  # the last step's updates are pending until the next forward or a read
 
-    def __init__(self, engine, *, credit_bytes: int) -> None:
+    def __init__(self, engine, layout, *, credit_bytes: int) -> None:
         super().__init__(engine)
         self.credit_bytes = credit_bytes
         self.steps = 0
@@ -34,7 +34,7 @@ class PriorityUpdater(SyncUpdater):
         self.averaged: set[int] = set()  # piece keys waited for and averaged in this step
         self.forward_rank: dict[nn.Parameter, int] = {}  # order of first use in forward
         self.pieces_of: dict[nn.Parameter, list] = {}
-        for bucket, pieces in zip(engine.buckets, engine.pieces, strict=True):
+        for bucket, pieces in zip(layout.buckets, layout.pieces, strict=True):
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 self.pieces_of[p] = [q for q in pieces if q.start < offset + p.numel() and q.stop > offset]
         self.modules = [m for m in engine.module.modules()
@@ -43,8 +43,8 @@ class PriorityUpdater(SyncUpdater):
         # its parameters applied with the first enclosing module that does run
         self.ran: set[nn.Module] = set()
         for module in self.modules:
-            # removed with the updater when comm.scheduler=auto moves on (configure), or at close
-            engine._updater_hooks.append(module.register_forward_pre_hook(self._before_forward))
+            # removed with the layout when comm.scheduler=auto moves on (engine.relayout), or at close
+            layout.hooks.append(module.register_forward_pre_hook(self._before_forward))
 
     @torch.compiler.disable  # waits and optimizer steps: eager, also inside a compiled module
     def _before_forward(self, module: nn.Module, _args) -> None:
@@ -77,7 +77,7 @@ class PriorityUpdater(SyncUpdater):
         # wait can issue a collective (PowerSGD's second round)
         pieces = {piece.key: piece for p in params for piece in self.pieces_of[p]}
         for key in sorted(pieces.keys() - self.averaged):
-            engine._executor.wait(key)
+            engine.executor.wait(key)
             if engine.world_size > 1:
                 pieces[key].grad.div_(engine.world_size)
             self.averaged.add(key)
@@ -88,7 +88,7 @@ class PriorityUpdater(SyncUpdater):
         self.pending.difference_update(params)
         if not self.pending:
             self.averaged.clear()
-            engine._executor.reset()
+            engine.executor.reset()
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -96,7 +96,7 @@ class PriorityUpdater(SyncUpdater):
         if self.pending:
             raise RuntimeError("engine.step() ran twice without a forward in between")
         engine.complete_missing()
-        engine._executor.flush(engine.n_pieces)
+        engine.executor.flush(engine.n_pieces)
         self.optimizer = optimizer
         self.lrs = [g["lr"] for g in optimizer.param_groups]  # as of this step, for the deferred update
         self.pending = {p for bucket in engine.buckets for p in bucket.params}

@@ -20,12 +20,12 @@ class DelayedUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
     plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
 
-    def __init__(self, engine, *, lr: float | None) -> None:
+    def __init__(self, engine, layout, *, lr: float | None) -> None:
         super().__init__(engine)
         self.lr = lr  # local compensation step; None: the optimizer's learning rate
         engine.reduce_in_backward = False  # gradients go out after the step, all at once
         self.global_params = []
-        for bucket in engine.buckets:
+        for bucket in layout.buckets:
             bucket.flatten_params()
             self.global_params.append(bucket.param_buffer.clone())
         self.in_flight: list = []  # (bucket, buffer being reduced, work) of the last step

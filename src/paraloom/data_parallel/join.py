@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
 from paraloom.data_parallel.states import broadcast_coalesced, sync_buffers
-from paraloom.data_parallel.unused import shadow_unused
 
 
 def check_joinable(engine) -> None:
@@ -39,7 +38,7 @@ def check_joinable(engine) -> None:
         raise ValueError(f"join() shadows the synchronous all-reduce of backward only; {setting} "
                          "communicates outside it: use comm.sync=sync with scheduler fifo or wait_free, "
                          "or give every rank the same number of batches")
-    if engine._guard_group is not None:
+    if engine.guard_group is not None:
         raise ValueError("join() cannot shadow the non-finite guard's per-step flag; train with "
                          "optimizer.step() (the guard on the averaged gradients) or even inputs")
 
@@ -48,10 +47,6 @@ def _flag(engine, value: float) -> torch.Tensor:
     return torch.full((1,), value, device=engine.join_device)
 
 
-def announce(engine) -> tuple[dist.Work, torch.Tensor]:
-    """On a rank still training, before forward: whether its backward will synchronize (async)."""
-    count = _flag(engine, float(torch.is_grad_enabled() and engine._sync))
-    return dist.all_reduce(count, group=engine.group, async_op=True), count
 
 
 def buffer_source(engine, candidate: bool) -> int:
@@ -67,14 +62,32 @@ def sync_buffers_joined(engine, training: bool) -> None:
         sync_buffers(engine.module, engine.group, buffer_source(engine, training))
 
 
-def divisor(engine) -> int:
-    """What the summed gradients are divided by: the group's size, or the ranks still training."""
-    pending = engine._join_count
-    if pending is None or engine._join_divide_by_world:
-        return engine.world_size
-    work, count = pending
-    work.wait()
-    return max(1, int(count.item()))
+class JoinRun:
+    """The engine's state under an enabled `join()` (`engine.join_run`): what this step's gradients
+    are divided by, and the count of ranks that synchronize it."""
+
+    def __init__(self) -> None:
+        self.divide_by_world = True  # join(divide_by_initial_world_size=...)
+        self.count: tuple[dist.Work, torch.Tensor] | None = None  # this step's `announce`, inside join()
+
+    def begin(self, divide_by_initial_world_size: bool) -> None:
+        self.divide_by_world = divide_by_initial_world_size
+
+    def announce(self, engine) -> None:
+        """On a rank still training, before forward: whether its backward will synchronize (async)."""
+        count = _flag(engine, float(torch.is_grad_enabled() and engine.require_backward_grad_sync))
+        self.count = dist.all_reduce(count, group=engine.group, async_op=True), count
+
+    def divisor(self, world_size: int) -> int:
+        """What the summed gradients are divided by: the group's size, or the ranks still training."""
+        if self.count is None or self.divide_by_world:
+            return world_size
+        work, count = self.count
+        work.wait()
+        return max(1, int(count.item()))
+
+    def end(self) -> None:
+        self.count = None
 
 
 class EngineJoinHook(JoinHook):
@@ -83,7 +96,7 @@ class EngineJoinHook(JoinHook):
     def __init__(self, engine, divide_by_initial_world_size: bool = True) -> None:
         check_joinable(engine)
         self.engine = engine
-        engine._join_divide_by_world = divide_by_initial_world_size
+        engine.join_run.begin(divide_by_initial_world_size)
 
     @torch.no_grad()
     def main_hook(self) -> None:
@@ -91,9 +104,9 @@ class EngineJoinHook(JoinHook):
         count = _flag(engine, 0.0)
         dist.all_reduce(count, group=engine.group)
         synced = bool(count.item())
-        if engine._sync_buffers_next and engine.forward_sync_buffers:
+        if engine.require_forward_param_sync and engine.forward_sync_buffers:
             sync_buffers_joined(engine, training=False)
-        engine._sync_buffers_next = synced
+        engine.require_forward_param_sync = synced
         if synced:
             self._shadow_backward()
 
@@ -109,11 +122,11 @@ class EngineJoinHook(JoinHook):
         for bucket in engine.buckets:
             bucket.buffer.zero_()
             bucket.pending = 0
-            engine._ready(bucket)
-        engine._executor.wait_all(engine.n_pieces)
-        engine._reset()
-        if engine.find_unused:  # the others' map of parameters some rank used (unused.py)
-            shadow_unused(engine)
+            engine.bucket_ready(bucket)
+        engine.executor.wait_all(engine.n_pieces)
+        engine.reset_comm()
+        if engine.unused is not None:  # the others' map of parameters some rank used (unused.py)
+            engine.unused.shadow(engine.group, engine.join_device)
         for bucket, values in zip(engine.buckets, kept, strict=True):
             bucket.buffer.copy_(values)
 
@@ -125,5 +138,6 @@ class EngineJoinHook(JoinHook):
         if engine.forward_sync_buffers:
             tensors += list(engine.module.buffers())
         broadcast_coalesced(tensors, engine.group, source)
-        engine._join_config = _JoinConfig.construct_disabled_join_config()  # every rank runs this
-        engine._join_count = None
+        # torch's Joinable attribute, under torch's name; every rank runs this
+        engine._join_config = _JoinConfig.construct_disabled_join_config()
+        engine.join_run.end()

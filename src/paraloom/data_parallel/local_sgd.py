@@ -18,13 +18,13 @@ class LocalSGDUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
     plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
 
-    def __init__(self, engine, *, local_steps: int, warmup: int) -> None:
+    def __init__(self, engine, layout, *, local_steps: int, warmup: int) -> None:
         super().__init__(engine)
         self.local_steps = local_steps
         self.warmup = warmup
         self.steps = 0
         self.unaveraged = False  # local steps taken since the parameters were last averaged
-        for bucket in engine.buckets:
+        for bucket in layout.buckets:
             bucket.flatten_params()
         engine.reduce_in_backward = warmup > 0
 

@@ -33,11 +33,11 @@ class ShardedUpdater(SyncUpdater):
     guards_on_sums = False  # see SyncUpdater: it does not update from this step's averaged gradients
     plain_optimizer_step = False  # see SyncUpdater: DistributedOptimizer (or engine.step) drives it
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, layout) -> None:
         super().__init__(engine)
         n, rank = engine.world_size, engine.rank
         self.shards: list[torch.Tensor] = []  # this rank's block of each bucket's parameters
-        for bucket in engine.buckets:
+        for bucket in layout.buckets:
             bucket.flatten_params()
             shard = torch.nn.Parameter(bucket.param_buffer.view(n, -1)[rank].clone())
             shard.grad = torch.zeros_like(shard)
@@ -109,8 +109,8 @@ class ShardedUpdater(SyncUpdater):
             for bucket, shard in zip(engine.buckets, self.shards, strict=True):
                 shard.grad.copy_(bucket.buffer)
         engine.complete_missing()
-        engine._executor.wait_all(engine.n_pieces)
-        engine._reset()
+        engine.executor.wait_all(engine.n_pieces)
+        engine.reset_comm()
         for shard in self.shards:
             if engine.world_size > 1:
                 shard.grad.div_(engine.world_size)

@@ -126,7 +126,7 @@ def priority_exposed(layers: Sequence[LayerTimes], send: SendTime, partition_byt
 
 def piece_count(layers: Sequence[LayerTimes], partition_bytes: float) -> int:
     """Pieces the priority scheduler sends a step: gradients gathered in backward order until they
-    hold a partition, then cut into partitions (data_parallel/configure.py `assign_buckets` with
+    hold a partition, then cut into partitions (data_parallel/layout.py `assign_buckets` with
     the partition as both caps, then `cut_pieces`), here at the granularity of layers."""
     pieces, filled = 0, 0.0
     for layer in reversed(layers):

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from paraloom.comm.collectives import default_timeout
 from paraloom.comm.objects import gather_floats
+from paraloom.comm.schedulers import SCHEDULERS
 from paraloom.config import Config
 from paraloom.config.errors import UserError
 from paraloom.data import DataSets, Split, collate
@@ -84,9 +85,10 @@ class ModelParallelStrategy(EngineStrategy):
         self.v = cfg.parallel.virtual_stages if self.schedule == "interleaved_1f1b" else 1  # chunks per stage
         self.model = self._place(data, device)
         trace_tensor_parallel(self.model, timeline)
-        # the priority scheduler's collectives get a twin of the dp group; the global norm's sum
-        # runs over the ranks that hold this replica once (its tp x pp ranks)
-        twin = topology.new_group("dp") if cfg.comm.scheduler == "priority" else None
+        # a scheduler that launches on this rank's own progress (priority) gets a twin of the dp
+        # group for its collectives; the global norm's sum runs over the ranks that hold this
+        # replica once (its tp x pp ranks)
+        twin = topology.new_group("dp") if SCHEDULERS[cfg.comm.scheduler].own_group else None
         replica = topology.new_group("tp", "pp") if tp * pp > 1 else None
         sharded = sharded_parameters(self.model)
         shards = {id(p) for p in sharded}  # the global norm counts a shard on every tp rank, a whole one once
