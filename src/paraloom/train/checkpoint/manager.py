@@ -172,7 +172,7 @@ class CheckpointManager:
         local = {"step": step, "counters": dict(counters), "rng": rng, **state}
         if self.ema is not None:
             local["ema"] = self.ema.state_dict()
-        waited = self.drain()  # one checkpoint in flight at most
+        self.drain()  # one checkpoint in flight at most (its wait is part of this save's time)
         self.pending = save_checkpoint(
             self.run_dir, step, local=local, shared=shared if self.is_main else None,
             keep=self.cfg.run.keep_checkpoints, group=self.strategy.checkpoint_group,
@@ -182,8 +182,7 @@ class CheckpointManager:
                   # the data position and the batch it was taken at (checkpoint/resize_policy.py)
                   "samples": counters["samples"], "global_batch": self.cfg.data.batch_size,
                   "dp_size": self.strategy.dp_world_size})
-        # the wait for the one before is counted twice (alone and within the whole), as the loop did
-        return waited + time.perf_counter() - began
+        return time.perf_counter() - began
 
     def drain(self) -> float:
         """Wait for the checkpoint being written behind training (run.async_checkpoint), if any; the
