@@ -175,6 +175,8 @@ def test_every_registry_implements_exactly_its_names():
 
     assert ("native", *ALGORITHMS) == choices.ALL_REDUCE_ALGORITHMS
     assert tuple(SCHEDULERS) == choices.SCHEDULERS
+    for name, module in choices.SCHEDULER_MODULES.items():  # each class where choices says it lives
+        assert SCHEDULERS[name].__module__ == f"paraloom.comm.{module}", name
     assert {*COMPRESSORS, *choices.MULTI_ROUND_COMPRESSORS} == set(choices.COMPRESSORS)
     assert set(WIRE_FORMATS) == {"none", *choices.COMPRESSORS}
     for name, module in choices.COMPRESSOR_MODULES.items():

@@ -30,6 +30,20 @@ class CommTask:
     launch: Callable[[], Handle] = field(compare=False, default=None, repr=False)
 
 
+# every scheduler class by its `name`, filled by `register_scheduler` as its module is imported;
+# paraloom.comm.schedulers imports the modules paraloom.config.choices.SCHEDULER_MODULES names
+REGISTERED: dict[str, type] = {}
+
+
+def register_scheduler(cls: type) -> type:
+    """Class decorator: make a policy class available as comm.scheduler=`cls.name`."""
+    if cls.name in REGISTERED:
+        raise ValueError(f"scheduler {cls.name!r} is registered twice")
+    REGISTERED[cls.name] = cls
+    return cls
+
+
+@register_scheduler
 class FifoScheduler:
     """Synchronize after backward, in back-propagation order, with no overlap."""
 
@@ -50,6 +64,7 @@ class FifoScheduler:
         return sorted(ready) if flushing else []
 
 
+@register_scheduler
 class WaitFreeScheduler:
     """Launch every task as soon as it is ready and all tasks before it have been launched."""
 

@@ -15,7 +15,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from paraloom.comm.policies import WaitFreeScheduler
+from paraloom.comm.policies import WaitFreeScheduler, register_scheduler
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ def plan_order(tasks: list[PlanTask], seconds_per_byte: float, credit_bytes: int
     return order
 
 
+@register_scheduler
 class PriorityScheduler:
     """Launch tasks in a planned order; key order until a plan is set."""
 

@@ -37,7 +37,10 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16")  # what the engine all-reduces:
 MEMORY_LAYOUTS = ("ddp", "megatron", "zero1", "zero2", "zero3")
 MODELLED_ALGORITHMS = ("reduction_tree", "double_binary_tree", "hierarchical_ring",
                        "hierarchical_halving_doubling", "hierarchical_double_binary_tree")
-SCHEDULERS = ("fifo", "wait_free", "priority")  # paraloom.comm.schedulers; the planner tries them in order
+# scheduler name -> the module of paraloom.comm whose `@register_scheduler` class implements it; the
+# planner tries them in this order
+SCHEDULER_MODULES = {"fifo": "policies", "wait_free": "policies", "priority": "priority"}
+SCHEDULERS = tuple(SCHEDULER_MODULES)
 COMM_SCHEDULERS = (*SCHEDULERS, "auto")  # auto: each tried for a few steps (data_parallel/auto.py)
 RESIZE_POLICIES = ("global_batch", "per_rank_batch")  # run.resize_policy: what a resized run keeps
 BUCKET_SIZES_MB = (1.0, 5.0, 25.0, 100.0)  # comm.bucket_mb=auto tries these (data_parallel/auto.py)
