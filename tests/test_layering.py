@@ -190,6 +190,8 @@ def test_every_registry_implements_exactly_its_names():
 
     assert tuple(STRATEGIES) == choices.STRATEGIES == tuple(UNUSED_SETTINGS) == tuple(WHY_UNUSED)
     assert all(not strategy.__abstractmethods__ for strategy in STRATEGIES.values())  # each can be built
+    for name, module in choices.STRATEGY_MODULES.items():  # each class where choices says it lives
+        assert STRATEGIES[name].__module__ == f"paraloom.train.strategies.{module}", name
     assert all(strategy.name == key for key, strategy in STRATEGIES.items())  # what its checkpoints say
     assert all(set(strategy.resumes_from) <= set(STRATEGIES) for strategy in STRATEGIES.values())
 

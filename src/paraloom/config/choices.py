@@ -18,7 +18,11 @@ DEVICES = ("auto", "cpu", "cuda")  # auto: cuda if available
 
 # ---- how the work is split: parallel.mode (the training strategy's family)
 PARALLEL_MODES = ("dp", "ps", "layers")  # data parallel (+ tp/pp hybrids), parameter server, layers
-STRATEGIES = ("data_parallel", "model_parallel", "parameter_server")  # train/strategies/, rules.strategy_for
+# strategy name -> the module of paraloom.train.strategies whose `@register_strategy` class implements
+# it; config/rules.py says when a run gets it (strategy_for) and what it cannot honour (UNUSED_SETTINGS)
+STRATEGY_MODULES = {"data_parallel": "data_parallel", "model_parallel": "model_parallel",
+                    "parameter_server": "parameter_server"}
+STRATEGIES = tuple(STRATEGY_MODULES)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PIPELINE_BALANCE = ("params", "time")  # what pipeline stages are balanced by
 

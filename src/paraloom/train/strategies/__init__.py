@@ -1,24 +1,25 @@
 """The strategies: their registry, the one place a run's strategy is picked (`rules.strategy_for` decides
-which); the base class in base.py, one module per strategy beside it."""
+which); the base class in base.py, one module per strategy beside it.
+
+The module that implements each name is `paraloom.config.choices.STRATEGY_MODULES`; importing this
+package imports those, whose `@register_strategy` classes (base.py) fill the registry."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from paraloom.config import Config
+from paraloom.config.choices import STRATEGY_MODULES
 from paraloom.config.rules import strategy_for
 from paraloom.data import DataSets
 from paraloom.trace import Timeline
-from paraloom.train.strategies.base import Strategy
-from paraloom.train.strategies.data_parallel import DataParallelStrategy
-from paraloom.train.strategies.model_parallel import ModelParallelStrategy
-from paraloom.train.strategies.parameter_server import ParameterServerStrategy
+from paraloom.train.strategies.base import REGISTERED, Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "data_parallel": DataParallelStrategy,
-    "model_parallel": ModelParallelStrategy,
-    "parameter_server": ParameterServerStrategy,
-}
+for _module in sorted(set(STRATEGY_MODULES.values())):
+    importlib.import_module(f"paraloom.train.strategies.{_module}")
+STRATEGIES: dict[str, type[Strategy]] = {name: REGISTERED[name] for name in STRATEGY_MODULES}
 
 
 def make_strategy(cfg: Config, data: DataSets, *, device: torch.device,

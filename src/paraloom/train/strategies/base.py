@@ -26,6 +26,18 @@ from paraloom.optim.recipe import Recipe
 from paraloom.topology import RankGroups
 from paraloom.trace import Timeline, trace_modules
 
+# every strategy class by its `name`, filled by `register_strategy` as its module is imported;
+# paraloom.train.strategies imports the modules paraloom.config.choices.STRATEGY_MODULES names
+REGISTERED: dict[str, type] = {}
+
+
+def register_strategy(cls: type) -> type:
+    """Class decorator: make a strategy available to runs whose settings ask for `cls.name`."""
+    if cls.name in REGISTERED:
+        raise ValueError(f"strategy {cls.name!r} is registered twice")
+    REGISTERED[cls.name] = cls
+    return cls
+
 
 class StepResult(NamedTuple):
     stepped: bool  # False: the non-finite guard skipped the update (alike on every rank)

@@ -19,9 +19,10 @@ from paraloom.sparse.training import SparseTraining
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
 from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
-from paraloom.train.strategies.base import EngineStrategy, StepResult
+from paraloom.train.strategies.base import EngineStrategy, StepResult, register_strategy
 
 
+@register_strategy
 class DataParallelStrategy(EngineStrategy):
     """Every rank trains the whole model on its shard of the batch; the engine syncs gradients."""
 

@@ -49,7 +49,7 @@ from paraloom.tensor_parallel.mappings import gather_from_region
 from paraloom.topology import Topology
 from paraloom.trace import Timeline
 from paraloom.train.loss_eval import evaluate, planned_steps
-from paraloom.train.strategies.base import EngineStrategy, StepResult
+from paraloom.train.strategies.base import EngineStrategy, StepResult, register_strategy
 
 EVAL_BATCH = 64
 
@@ -59,6 +59,7 @@ def _median(values: list[float]) -> float:
     return statistics.median(values[2:] or values) if values else 0.0
 
 
+@register_strategy
 class ModelParallelStrategy(EngineStrategy):
     """Tensor, pipeline and layer parallelism, and their hybrids with data parallelism."""
 

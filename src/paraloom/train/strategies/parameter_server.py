@@ -46,9 +46,10 @@ from paraloom.parameter_server.shard import flatten_model, slice_layout
 from paraloom.parameter_server.throughput import all_workers_throughput
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
-from paraloom.train.strategies.base import StepResult, Strategy
+from paraloom.train.strategies.base import StepResult, Strategy, register_strategy
 
 
+@register_strategy
 class ParameterServerStrategy(Strategy):
     """Workers push gradients to and pull parameters from sharded servers (BSP, ASP or SSP)."""
 
