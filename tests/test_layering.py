@@ -6,6 +6,8 @@ import ast
 import importlib
 from pathlib import Path
 
+import pytest
+
 from paraloom.config import choices
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paraloom"
@@ -219,3 +221,15 @@ def test_no_function_is_too_complex():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     done = subprocess.run([ruff, "check", "--select", "C901", str(SRC)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:]
+
+
+def test_a_registrar_adds_classes_by_name_and_refuses_a_second_of_one_name():
+    registry, register = choices.registrar("widget")
+
+    @register
+    class One:
+        name = "one"
+
+    assert registry == {"one": One}
+    with pytest.raises(ValueError, match="widget 'one' is registered twice"):
+        register(type("Other", (), {"name": "one"}))

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from paraloom.config.choices import registrar
+
 
 class Handle(Protocol):
     def wait(self) -> Any: ...
@@ -32,15 +34,7 @@ class CommTask:
 
 # every scheduler class by its `name`, filled by `register_scheduler` as its module is imported;
 # paraloom.comm.schedulers imports the modules paraloom.config.choices.SCHEDULER_MODULES names
-REGISTERED: dict[str, type] = {}
-
-
-def register_scheduler(cls: type) -> type:
-    """Class decorator: make a policy class available as comm.scheduler=`cls.name`."""
-    if cls.name in REGISTERED:
-        raise ValueError(f"scheduler {cls.name!r} is registered twice")
-    REGISTERED[cls.name] = cls
-    return cls
+REGISTERED, register_scheduler = registrar("scheduler")
 
 
 @register_scheduler

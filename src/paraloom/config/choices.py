@@ -7,6 +7,8 @@ its list by a test, so a name cannot be offered that nothing implements, nor the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 # ---- what is trained
 MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16",
           "alexnet", "googlenet", "inception_v3", "bert")  # paraloom.models
@@ -73,3 +75,16 @@ PRUNING_SCOPES = ("layer", "global")
 FAULT_KINDS = {"kill": ("rank", "step"), "hang": ("rank", "step"), "nan": ("rank", "step"),
                "slow": ("rank", "factor"), "slow_data": ("rank", "factor"), "lose": ("node", "step")}
 
+
+def registrar(kind: str) -> tuple[dict[str, type], Callable[[type], type]]:
+    """(registry, class decorator) of one plug-in family whose classes carry their `name`: the decorator
+    adds a class to the registry as its module is imported, and refuses a second class of one name."""
+    registry: dict[str, type] = {}
+
+    def register(cls: type) -> type:
+        if cls.name in registry:
+            raise ValueError(f"{kind} {cls.name!r} is registered twice")
+        registry[cls.name] = cls
+        return cls
+
+    return registry, register

@@ -21,6 +21,7 @@ from torch import nn
 
 from paraloom.comm.collectives import CommStats
 from paraloom.config import Config
+from paraloom.config.choices import registrar
 from paraloom.data_parallel.engine_from_config import make_engine
 from paraloom.optim.recipe import Recipe
 from paraloom.topology import RankGroups
@@ -28,15 +29,7 @@ from paraloom.trace import Timeline, trace_modules
 
 # every strategy class by its `name`, filled by `register_strategy` as its module is imported;
 # paraloom.train.strategies imports the modules paraloom.config.choices.STRATEGY_MODULES names
-REGISTERED: dict[str, type] = {}
-
-
-def register_strategy(cls: type) -> type:
-    """Class decorator: make a strategy available to runs whose settings ask for `cls.name`."""
-    if cls.name in REGISTERED:
-        raise ValueError(f"strategy {cls.name!r} is registered twice")
-    REGISTERED[cls.name] = cls
-    return cls
+REGISTERED, register_strategy = registrar("strategy")
 
 
 class StepResult(NamedTuple):
