@@ -26,6 +26,14 @@ ROOT = Path(__file__).resolve().parent
 VALIDATION = "perfmodel_validation_contract_run14.json"
 
 
+def saved(fig, path: Path) -> Path:
+    """Write `fig` to `path` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def load(results: Path, name: str) -> dict[str, Any]:
     return json.loads((results / name).read_text())
 
@@ -48,10 +56,7 @@ def collectives(results: Path, out: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
     path = out / "collectives_4x1gbit.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return saved(fig, path)
 
 
 def validation(results: Path, out: Path) -> Path:
@@ -79,10 +84,7 @@ def validation(results: Path, out: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     path = out / "perfmodel_validation.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return saved(fig, path)
 
 
 def published(results: Path, out: Path) -> Path:
@@ -104,10 +106,7 @@ def published(results: Path, out: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     path = out / "perfmodel_published.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return saved(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
