@@ -23,7 +23,7 @@ from paraloom.cli import main
     (["train", "--set", "bogus"], "must look like section.key=value"),
     (["train", "--bogus"], "No such option"),
     (["nope"], "No such command"),
-    # a setting the run's strategy has no use for is refused, naming both (rules.UNUSED_SETTINGS)
+    # a setting the run's strategy has no use for is refused, naming both (its STRATEGY_ENTRIES' unused)
     (["train", "--set", "parallel.mode=ps", "--set", "comm.sync=local_sgd"],
      "the parameter_server strategy does not use comm.sync=local_sgd"),
     (["train", "--set", "parallel.mode=ps", "--set", "guard.nan=false"],

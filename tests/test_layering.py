@@ -187,13 +187,20 @@ def test_every_registry_implements_exactly_its_names():
             assert COMPRESSORS[name].__module__ == implementation.__name__, name
     assert set(choices.DENSITY_COMPRESSORS) <= set(COMPRESSORS)
     assert set(choices.FIXED_SIZE_COMPRESSORS) <= set(COMPRESSORS)
-    from paraloom.config.rules import UNUSED_SETTINGS, WHY_UNUSED
+    from paraloom.config.rules import strategy_for
     from paraloom.train.strategies import STRATEGIES
 
-    assert tuple(STRATEGIES) == choices.STRATEGIES == tuple(UNUSED_SETTINGS) == tuple(WHY_UNUSED)
+    assert tuple(STRATEGIES) == choices.STRATEGIES
     assert all(not strategy.__abstractmethods__ for strategy in STRATEGIES.values())  # each can be built
-    for name, module in choices.STRATEGY_MODULES.items():  # each class where choices says it lives
-        assert STRATEGIES[name].__module__ == f"paraloom.train.strategies.{module}", name
+    for name, entry in choices.STRATEGY_ENTRIES.items():  # each class where its entry says it lives
+        assert STRATEGIES[name].__module__ == f"paraloom.train.strategies.{entry.module}", name
+        assert entry.unused and entry.why_unused, name
+    # each entry's chosen_when, asked in order, gives every parallel.* setting exactly the strategy it
+    # has always had; the last entry takes what no other does
+    assert strategy_for(mode="ps", tp=1, pp=1) == "parameter_server"
+    assert strategy_for(mode="layers", tp=1, pp=1) == "model_parallel"
+    assert strategy_for(mode="dp", tp=2, pp=1) == strategy_for(mode="dp", tp=1, pp=2) == "model_parallel"
+    assert strategy_for(mode="dp", tp=1, pp=1) == "data_parallel"
     assert all(strategy.name == key for key, strategy in STRATEGIES.items())  # what its checkpoints say
     assert all(set(strategy.resumes_from) <= set(STRATEGIES) for strategy in STRATEGIES.values())
 

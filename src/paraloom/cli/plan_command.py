@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from paraloom.config.choices import MODELLED_ALGORITHMS
+from paraloom.config.choices import MODELLED_ALGORITHMS, STRATEGY_ENTRIES
 from paraloom.config.errors import UserError
-from paraloom.config.rules import UNUSED_SETTINGS, strategy_for
+from paraloom.config.rules import strategy_for
 from paraloom.config.yaml_io import merge
 from paraloom.models import MODELS
 from paraloom.perfmodel.cost.step_time import estimate
@@ -177,7 +177,8 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
         config = {"model": model_cfg, "data": data_cfg}
     sections = _plan_sections(e.plan, nodes, dtype)
     config = merge(config, sections)
-    unused = UNUSED_SETTINGS[strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp)]
+    strategy = strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp)
+    unused = STRATEGY_ENTRIES[strategy].unused
     for key in sorted(written & _written(sections) - set(unused)):
         section, _, name = key.partition(".")
         if base[section][name] != sections[section][name]:

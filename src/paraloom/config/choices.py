@@ -8,6 +8,7 @@ its list by a test, so a name cannot be offered that nothing implements, nor the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 # ---- what is trained
 MODELS = ("cnn", "mlp", "gpt", "resnet18", "resnet50", "resnet101", "resnet152", "vgg16",
@@ -20,11 +21,46 @@ DEVICES = ("auto", "cpu", "cuda")  # auto: cuda if available
 
 # ---- how the work is split: parallel.mode (the training strategy's family)
 PARALLEL_MODES = ("dp", "ps", "layers")  # data parallel (+ tp/pp hybrids), parameter server, layers
-# strategy name -> the module of paraloom.train.strategies whose `@register_strategy` class implements
-# it; config/rules.py says when a run gets it (strategy_for) and what it cannot honour (UNUSED_SETTINGS)
-STRATEGY_MODULES = {"data_parallel": "data_parallel", "model_parallel": "model_parallel",
-                    "parameter_server": "parameter_server"}
-STRATEGIES = tuple(STRATEGY_MODULES)
+
+
+class StrategyEntry(NamedTuple):
+    """A strategy's registry entry: everything the config must know of it before any worker starts.
+
+    module: the module of paraloom.train.strategies whose `@register_strategy` class implements it;
+    chosen_when(mode, tp, pp): whether a run's parallel.* settings ask for it (entries are asked in
+    order, the first that says yes is the run's strategy); unused: the settings it has no use for
+    (changing one from its default is refused before launch); why_unused: the reason that refusal gives;
+    cpu_only: whether it runs on CPU (gloo) only, so that run.device=cuda is refused and auto means cpu.
+    """
+
+    module: str
+    chosen_when: Callable[[str, int, int], bool]
+    unused: tuple[str, ...]
+    why_unused: str
+    cpu_only: bool = False
+
+
+_PIPELINE = ("parallel.microbatches", "parallel.schedule", "parallel.virtual_stages", "parallel.balance")
+_PS = ("ps.servers", "ps.consistency", "ps.staleness", "ps.overlap", "ps.partition_mb")
+_ENGINE = ("comm.sync", "comm.shard_optimizer", "comm.engine", "comm.algorithm", "comm.scheduler",
+           "comm.bucket_mb", "comm.first_bucket_mb", "comm.partition_mb", "comm.credit_mb",
+           "comm.local_steps", "comm.local_warmup", "comm.delay_lr")
+# strategy name -> its entry; paraloom.train.strategies imports each entry's module
+STRATEGY_ENTRIES = {
+    "parameter_server": StrategyEntry(
+        "parameter_server", lambda mode, tp, pp: mode == "ps",
+        (*_PIPELINE, *_ENGINE, "guard.nan"),  # servers always drop non-finite pushes
+        "workers push each shard to its server (ps.*), with no all-reduce engine, no pipeline, and "
+        "non-finite pushes always dropped", cpu_only=True),
+    "model_parallel": StrategyEntry(
+        "model_parallel", lambda mode, tp, pp: mode == "layers" or tp > 1 or pp > 1,
+        (*_PS, "comm.engine"),  # the naive engine cannot hold back a micro-batch's sync
+        "it has no parameter servers, and its data-parallel sync needs the bucketed engine"),
+    "data_parallel": StrategyEntry(
+        "data_parallel", lambda mode, tp, pp: True,  # what every other run gets
+        (*_PIPELINE, *_PS), "it has no pipeline stages and no parameter servers"),
+}
+STRATEGIES = tuple(STRATEGY_ENTRIES)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PIPELINE_BALANCE = ("params", "time")  # what pipeline stages are balanced by
 

@@ -17,6 +17,7 @@ from paraloom.config.choices import (
     FIXED_SIZE_COMPRESSORS,
     PARALLEL_MODES,
     SHARDABLE_ALGORITHMS,
+    STRATEGY_ENTRIES,
     SYNC_MODES,
 )
 from paraloom.config.errors import UserError
@@ -105,28 +106,9 @@ def check_push_compressor(compressor: str) -> None:
 
 
 def strategy_for(*, mode: str, tp: int, pp: int) -> str:
-    """The training strategy a run's parallel settings ask for (the one place it is decided)."""
-    if mode == "ps":
-        return "parameter_server"
-    return "model_parallel" if mode == "layers" or tp > 1 or pp > 1 else "data_parallel"
-
-
-_PIPELINE = ("parallel.microbatches", "parallel.schedule", "parallel.virtual_stages", "parallel.balance")
-_PS = ("ps.servers", "ps.consistency", "ps.staleness", "ps.overlap", "ps.partition_mb")
-_ENGINE = ("comm.sync", "comm.shard_optimizer", "comm.engine", "comm.algorithm", "comm.scheduler",
-           "comm.bucket_mb", "comm.first_bucket_mb", "comm.partition_mb", "comm.credit_mb",
-           "comm.local_steps", "comm.local_warmup", "comm.delay_lr")
-UNUSED_SETTINGS = {  # strategy -> settings it has no use for: changing one from its default is refused
-    "data_parallel": (*_PIPELINE, *_PS),
-    "model_parallel": (*_PS, "comm.engine"),  # the naive engine cannot hold back a micro-batch's sync
-    "parameter_server": (*_PIPELINE, *_ENGINE, "guard.nan"),  # servers always drop non-finite pushes
-}
-WHY_UNUSED = {
-    "data_parallel": "it has no pipeline stages and no parameter servers",
-    "model_parallel": "it has no parameter servers, and its data-parallel sync needs the bucketed engine",
-    "parameter_server": "workers push each shard to its server (ps.*), with no all-reduce engine, no "
-                        "pipeline, and non-finite pushes always dropped",
-}
+    """The training strategy a run's parallel settings ask for: the first registry entry
+    (choices.STRATEGY_ENTRIES) whose `chosen_when` says yes, decided in this one place."""
+    return next(name for name, entry in STRATEGY_ENTRIES.items() if entry.chosen_when(mode, tp, pp))
 
 
 def check_strategy_settings(strategy: str, changed: dict[str, object], *, device: str) -> None:
@@ -134,18 +116,18 @@ def check_strategy_settings(strategy: str, changed: dict[str, object], *, device
 
     `changed`: the settings that differ from their defaults, by dotted key.
     """
-    unused = [key for key in UNUSED_SETTINGS[strategy] if key in changed]
+    entry = STRATEGY_ENTRIES[strategy]
+    unused = [key for key in entry.unused if key in changed]
     if unused:
         key, value = unused[0], changed[unused[0]]
         value = str(value).lower() if isinstance(value, bool) else value  # as the user wrote it
-        raise UserError(f"the {strategy} strategy does not use {key}={value}: {WHY_UNUSED[strategy]}; "
+        raise UserError(f"the {strategy} strategy does not use {key}={value}: {entry.why_unused}; "
                         f"leave it at its default")
     if strategy != "data_parallel" and changed.get("run.resize_policy", "global_batch") != "global_batch":
         raise UserError(f"run.resize_policy={changed['run.resize_policy']} applies to data-parallel runs; "
                         f"a resized {strategy} run keeps the global batch (leave it at global_batch)")
-    if strategy == "parameter_server" and device == "cuda":
-        raise UserError("the parameter_server strategy (parallel.mode=ps) runs on CPU (gloo) so far; "
-                        "use run.device=cpu")
+    if entry.cpu_only and device == "cuda":
+        raise UserError(f"the {strategy} strategy runs on CPU (gloo) so far; use run.device=cpu")
 
 
 def check_recipe(strategy: str, *, clip_norm: float | None, precision: str, guard_nan: bool,

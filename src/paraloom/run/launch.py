@@ -13,6 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paraloom.config import Config
+from paraloom.config.choices import STRATEGY_ENTRIES
 from paraloom.config.errors import WorkersFailed
 from paraloom.run import prestart, worker
 
@@ -67,7 +68,7 @@ def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
     """Train with `cfg.parallel.nproc` workers on this machine; returns rank 0's summary."""
     nproc = cfg.processes(cfg.parallel.nproc)
     gpus = cfg.run.device != "cpu" and torch.cuda.is_available()
-    if cfg.strategy != "parameter_server" and gpus:
+    if not STRATEGY_ENTRIES[cfg.strategy].cpu_only and gpus:
         worker.cuda_index(nproc - 1, nproc, torch.cuda.device_count(), backend=cfg.comm.backend)  # refuses
     # CPU workers fork from a forkserver where the platform has one; GPU workers are spawned, so
     # that no import a preload makes can touch CUDA before a worker's fork

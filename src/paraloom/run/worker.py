@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from paraloom.config import CommConfig, Config, load_config
+from paraloom.config.choices import STRATEGY_ENTRIES
 from paraloom.config.errors import UserError
 from paraloom.run.directory import new_run_dir
 from paraloom.train.guards import PeerFailure, TooManyBadSteps
@@ -27,7 +28,7 @@ from paraloom.train.guards import PeerFailure, TooManyBadSteps
 
 def pick_device(cfg: Config) -> torch.device:
     run = cfg.run
-    if cfg.strategy == "parameter_server":  # gloo on CPU only, so far (config refuses run.device=cuda)
+    if STRATEGY_ENTRIES[cfg.strategy].cpu_only:  # gloo on CPU only, so far (config refuses run.device=cuda)
         return torch.device("cpu")
     if run.device == "cuda" or (run.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():

@@ -1,8 +1,8 @@
 """The strategies: their registry, the one place a run's strategy is picked (`rules.strategy_for` decides
 which); the base class in base.py, one module per strategy beside it.
 
-The module that implements each name is `paraloom.config.choices.STRATEGY_MODULES`; importing this
-package imports those, whose `@register_strategy` classes (base.py) fill the registry."""
+The module that implements each name is its entry's in `paraloom.config.choices.STRATEGY_ENTRIES`;
+importing this package imports those, whose `@register_strategy` classes (base.py) fill the registry."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import importlib
 import torch
 
 from paraloom.config import Config
-from paraloom.config.choices import STRATEGY_MODULES
+from paraloom.config.choices import STRATEGY_ENTRIES
 from paraloom.config.rules import strategy_for
 from paraloom.data import DataSets
 from paraloom.trace import Timeline
 from paraloom.train.strategies.base import REGISTERED, Strategy
 
-for _module in sorted(set(STRATEGY_MODULES.values())):
+for _module in sorted({entry.module for entry in STRATEGY_ENTRIES.values()}):
     importlib.import_module(f"paraloom.train.strategies.{_module}")
-STRATEGIES: dict[str, type[Strategy]] = {name: REGISTERED[name] for name in STRATEGY_MODULES}
+STRATEGIES: dict[str, type[Strategy]] = {name: REGISTERED[name] for name in STRATEGY_ENTRIES}
 
 
 def make_strategy(cfg: Config, data: DataSets, *, device: torch.device,

@@ -28,7 +28,7 @@ from paraloom.topology import RankGroups
 from paraloom.trace import Timeline, trace_modules
 
 # every strategy class by its `name`, filled by `register_strategy` as its module is imported;
-# paraloom.train.strategies imports the modules paraloom.config.choices.STRATEGY_MODULES names
+# paraloom.train.strategies imports the modules paraloom.config.choices.STRATEGY_ENTRIES names
 REGISTERED, register_strategy = registrar("strategy")
 
 
