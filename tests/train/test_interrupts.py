@@ -1,0 +1,178 @@
+"""How a run stops: Ctrl-C and SIGTERM end every process in seconds with one line and 128 + the signal,
+leave no half-written checkpoint, and resume exactly; a launcher killed outright takes its workers with
+it; a mistake a restart would repeat stops every rank at once with exit 2 and no restart."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paraloom.train import stopping
+from paraloom.train.checkpoint.records import read_progress
+
+TAG = f"paraloom-stop-{os.getpid()}"
+SMALL = ["--set", "model.name=mlp", "--set", "model.hidden=32", "--set", "run.checkpoint_every=10",
+         "--set", "run.log_every=50", "--set", "run.hardware=none"]
+PLANS = {  # what is interrupted: each stops alike, and resumes where an uninterrupted run ends
+    "dp": ["--set", "optim.epochs=8"],
+    "pp": ["--set", "parallel.pp=2", "--set", "parallel.microbatches=2", "--set", "optim.epochs=8"],
+    "ps": ["--set", "parallel.mode=ps", "--set", "optim.epochs=4"],
+}
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "paraloom", "train", *args]
+
+
+def start(args: list[str], out: Path, name: str) -> subprocess.Popen:
+    """`paraloom train` in a session of its own, as a terminal would start it."""
+    cmd = command(*SMALL, *args, "--set", f"run.out_dir={out}", "--set", f"run.name={name}")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, PARALOOM_TEST_TAG=TAG))
+
+
+def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PARALOOM_TEST_TAG=TAG))
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while (read_progress(run_dir) or (0, 0))[0] < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.05)
+
+
+def tagged() -> list[int]:
+    """Processes still carrying this test's tag (agents, forkservers, workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if TAG.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def gone_within(seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := tagged()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_ctrl_c_stops_every_process_with_one_line_and_resumes_exactly(plan, tmp_path):
+    straight = run(command(*SMALL, *PLANS[plan], "--set", f"run.out_dir={tmp_path}",
+                           "--set", "run.name=straight"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = start(PLANS[plan], tmp_path, "cut")
+    run_dir = tmp_path / "cut"
+    wait_for_step(proc, run_dir, 14)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group gets it
+    began = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - began < 5 and proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("paraloom: interrupted at step ") and f"--resume {run_dir}" in last
+    assert "Traceback" not in err and "SignalException" not in err
+    assert not gone_within(5)  # nothing of the run is left running...
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # ...nor half written
+    done = run(command("--resume", str(run_dir)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected, got = params(tmp_path / "straight"), params(run_dir)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_exits_143_and_a_killed_launcher_takes_its_workers_with_it(tmp_path):
+    proc = start(["--set", "optim.epochs=50"], tmp_path, "term")
+    wait_for_step(proc, tmp_path / "term", 3)
+    proc.send_signal(signal.SIGTERM)  # the launcher alone, as a scheduler's kill does
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1].startswith("paraloom: interrupted"), err
+    assert not gone_within(5)
+
+    proc = start(["--set", "optim.epochs=50"], tmp_path, "killed")
+    wait_for_step(proc, tmp_path / "killed", 3)
+    assert len(tagged()) >= 3  # the launcher, its forkserver, two workers
+    proc.kill()
+    proc.communicate()
+    left = gone_within(5)
+    assert not left, f"still running 5 s after the launcher was killed: {left}"
+
+
+BAD_MODEL = """
+import torch
+
+class Bad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:  # past every check made before launch
+            raise ValueError("no good at the third call")
+        return self.lin(x.flatten(1))
+
+def make(**options):
+    return Bad()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_mistake_a_restart_would_repeat_stops_every_rank_at_once_with_exit_2(tmp_path):
+    (tmp_path / "badmodel.py").write_text(BAD_MODEL)
+    path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = dict(os.environ, PARALOOM_TEST_TAG=TAG, PYTHONPATH=path)
+    done = subprocess.run(command("--set", "model.name=badmodel:make", "--set", f"run.out_dir={tmp_path}",
+                                  "--set", "run.name=bad", "--set", "run.max_restarts=3",
+                                  "--set", "run.hardware=none"),
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("paraloom: error: rank ") and "ValueError: no good at the third call" in last
+    assert "badmodel.py:13" in last and "a restart would repeat it" in last
+    assert "Traceback" not in done.stderr and "death signal" not in done.stderr
+    resumes = tmp_path / "bad" / "resumes.json"
+    assert not resumes.exists() or json.loads(resumes.read_text())["restarts"] == 0  # never restarted
+    assert not gone_within(5)
+
+
+def test_what_a_restart_can_cure_is_told_from_what_it_cannot():
+    from paraloom.config.errors import UserError
+    from paraloom.train.guards import PeerFailure, TooManyBadSteps
+
+    curable = [PeerFailure("rank 1 stopped answering"), TooManyBadSteps("5 in a row"),
+               RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+               RuntimeError("Timed out waiting 30000ms for send operation to complete")]
+    repeated = [UserError("data.seq_len=900 is longer than the corpus"), ValueError("bad shape"),
+                RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x17 and 16x4)"),
+                MemoryError(), OSError(28, "No space left on device")]
+    assert not any(stopping.is_deterministic(exc) for exc in curable)
+    assert all(stopping.is_deterministic(exc) for exc in repeated)
+    assert "no space left on the device" in stopping.describe(OSError(28, "No space left on device"), 1)
+
+
+def test_the_first_rank_to_report_is_the_one_said(tmp_path):
+    path = tmp_path / "stop.json"
+    assert stopping.read_stop(path) is None
+    stopping.write_stop(path, "rank 1: first", 1)
+    stopping.write_stop(path, "rank 0: second", 0)
+    assert stopping.read_stop(path) == "rank 1: first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stop.json"]
