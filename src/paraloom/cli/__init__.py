@@ -5,12 +5,17 @@ User errors become one line on stderr and exit code 2, with no traceback.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 import sys
+import threading
 
 import typer
 
 from paraloom.cli import bench, cluster, perf, report, train
-from paraloom.config.errors import UserError, WorkersFailed
+from paraloom.config.errors import Interrupted, UserError, WorkersFailed
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Parallel deep-learning training on PyTorch.")
@@ -31,9 +36,14 @@ app.command()(perf.history)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (0 ok, 1 a worker failed, 2 bad input, 130 interrupted)."""
+    """Entry point; returns the exit code (0 ok, 1 a worker failed, 2 bad input, 130 interrupted by
+    SIGINT, 143 by SIGTERM)."""
     try:
-        result = app(args=argv, prog_name="paraloom", standalone_mode=False)
+        with _terminate_as_interrupt():
+            result = app(args=argv, prog_name="paraloom", standalone_mode=False)
+    except Interrupted as exc:
+        print(f"paraloom: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except UserError as exc:
         return _fail(str(exc), 2)
     except typer.TyperException as exc:  # usage errors: unknown option, bad value, missing file
@@ -42,8 +52,27 @@ def main(argv: list[str] | None = None) -> int:
     except WorkersFailed as exc:
         return _fail(str(exc), 2 if exc.exitcode == 2 else 1)
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        print("paraloom: interrupted", file=sys.stderr)
+        return 130
     return result if isinstance(result, int) else 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM unwinds the command as Ctrl-C does (clusters come down, forkservers stop) and exits
+    143; torch's elastic agent puts a handler of its own in place while it runs workers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, _frame: object) -> None:
+        raise Interrupted("interrupted", signum)
+
+    before = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _fail(message: str, code: int) -> int:
@@ -52,4 +81,14 @@ def _fail(message: str, code: int) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    code = main()
+    if code >= 128:
+        # interrupted: every process, cluster and server of the run is stopped by now, and what the
+        # interpreter's own teardown adds is C++ destructors of torch's distributed objects, one of
+        # which now and then never returned after an agent stopped by a signal (seen 2 in ~15 runs);
+        # the launcher leaves as a worker does (run/worker.py's exit_process)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -16,7 +17,7 @@ from rich.table import Table
 
 from paraloom.cli.options import cluster_from_options, link_timers
 from paraloom.config import load_config
-from paraloom.config.errors import UserError
+from paraloom.config.errors import Interrupted, UserError
 from paraloom.config.help import section_keys
 from paraloom.run import prestart
 
@@ -218,10 +219,24 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
 
         load_or_predict(run_dir, cfg, world, threads_per_worker(cfg.parallel.nproc),
                         "cuda" if _on_gpus(cfg) else "cpu", cached=profile)
+    try:
+        return _launch(cfg, nodes, run_dir, started_at), run_dir
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        raise Interrupted(_interrupted_at(run_dir), signum) from None
+    finally:  # every worker is gone by now: a checkpoint it was writing is never whole
+        if not (run_dir / "summary.json").is_file():
+            from paraloom.train.checkpoint.store import discard_staging
+
+            discard_staging(run_dir)
+
+
+def _launch(cfg, nodes, run_dir: Path, started_at: float) -> dict:
+    """Rank 0's summary of the run, trained here or on `nodes`."""
     if nodes is None:
         from paraloom.run.launch import launch_local
 
-        return launch_local(cfg, run_dir, started_at=started_at), run_dir
+        return launch_local(cfg, run_dir, started_at=started_at)
     from paraloom.cluster.torchrun import torchrun_on_cluster
     from paraloom.config.fault_specs import parse_faults
 
@@ -233,7 +248,16 @@ def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = N
                         log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc,
                         max_restarts=cfg.run.max_restarts, min_nodes=node_range[0] if node_range else None,
                         lost=lost)
-    return json.loads((run_dir / "summary.json").read_text()), run_dir
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _interrupted_at(run_dir: Path) -> str:
+    """`interrupted at step N; resume with ...`: N the last step rank 0 finished (records.PROGRESS)."""
+    from paraloom.train.checkpoint.records import read_progress
+
+    progress = read_progress(run_dir)
+    at = f" at step {progress[0]}" if progress else " before the first step"
+    return f"interrupted{at}; resume with paraloom train --resume {run_dir}"
 
 
 def print_summary(summary: dict, run_dir: Path) -> None:

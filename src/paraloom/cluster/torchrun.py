@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from paraloom.cluster.emulated import EmulatedCluster
 from paraloom.cluster.local import LocalNodes
-from paraloom.config.errors import WorkersFailed
+from paraloom.config.errors import Interrupted, UserError, WorkersFailed
+from paraloom.train.stopping import STOP_FILE_ENV, read_stop
 
 # Benchmarks measure from scratch on every attempt, so a worker that fails at start-up (seen once
 # in CI on a loaded machine, cause not captured) costs a retry, not the run.
@@ -28,9 +31,12 @@ def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list
     Rendezvous is on node 0's address; gloo binds to each node's eth0, so every byte between
     workers crosses the shaped links. Node 0's output goes to this terminal, the others' to
     `log_dir/node<i>.log`. Returns when all nodes finish; a failure or an interrupt stops every
-    process on the cluster. With `min_nodes` the membership may change (torchrun's --nnodes
-    MIN:MAX): the nodes of `lost` (node: seconds until it starts again, or None) may die while
-    the others go on; one that comes back joins at the survivors' next rendezvous.
+    process on the cluster, and so does a mistake a restart would repeat, which a worker writes to
+    the run's stop file (train/stopping.py) and this raises as a UserError. The agents run in sessions
+    of their own (a Ctrl-C reaches this launcher alone, which stops them) and die with it. With
+    `min_nodes` the membership may change (torchrun's --nnodes MIN:MAX): the nodes of `lost` (node:
+    seconds until it starts again, or None) may die while the others go on; one that comes back
+    joins at the survivors' next rendezvous.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // (cluster.nodes * nproc_per_node))
@@ -41,9 +47,13 @@ def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list
     # all a shrunk run waits for a lost node
     last_call = f",last_call_timeout=10{cluster.rdzv_conf}" if min_nodes is not None else ""
     procs, logs = [], []
+    stop_dir = tempfile.TemporaryDirectory(prefix="paraloom-stop-")
+    stop_file = Path(stop_dir.name) / "stop.json"
+    # the kernel kills an agent whose launcher died (its workers then die with it: stopping.die_with_parent)
+    orphan_guard = ["setpriv", "--pdeathsig", "SIGKILL", "--"] if shutil.which("setpriv") else []
 
     def start(node: int) -> subprocess.Popen:
-        cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "torch.distributed.run",
+        cmd = [*cluster.exec_prefix(node), *orphan_guard, sys.executable, "-m", "torch.distributed.run",
                f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint={cluster.address(0)}:{cluster.rdzv_port}",
                f"--rdzv-id={run_id}", f"--local-addr={cluster.address(node)}",
@@ -56,21 +66,26 @@ def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list
         # prefix is needed that all ranks agree on (the agents' restart counts differ once a healthy
         # node restarts for a membership change, which does not count as a restart)
         env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.interface, OMP_NUM_THREADS=str(threads),
-                   PARALOOM_NODE=str(node), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+                   PARALOOM_NODE=str(node), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   **{STOP_FILE_ENV: str(stop_file)})
         log = logs[node]
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                start_new_session=True)
 
     try:
         for node in range(cluster.nodes):
             logs.append(None if node == 0 else (log_dir / f"node{node}.log").open("a"))
             procs.append(start(node))
-        _wait_all(procs, log_dir, lost or {}, start, run_dir=log_dir.parent)
-    except BaseException:
-        # failed or interrupted: nothing of this run may keep running, whatever state torchrun
-        # is in (its workers live in sessions of their own, out of reach of our process group)
+        _wait_all(procs, log_dir, lost or {}, start, run_dir=log_dir.parent, stop_file=stop_file)
+    except BaseException as exc:
+        # failed, interrupted or stopped: nothing of this run may keep running, whatever state
+        # torchrun is in. An interrupted or stopped agent is killed outright (asked to stop, it would
+        # print its own traceback on node 0's terminal); its workers die with it, and whatever is
+        # left in the cluster's namespaces is stopped below
+        quietly = isinstance(exc, (KeyboardInterrupt, Interrupted, UserError))
         for proc in procs:
             if proc.poll() is None:
-                proc.terminate()
+                proc.kill() if quietly else proc.terminate()
         deadline = time.monotonic() + 5.0
         for proc in procs:
             try:
@@ -84,12 +99,14 @@ def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list
         for log in logs:
             if log is not None:
                 log.close()
+        stop_dir.cleanup()
 
 
 def _wait_all(procs: list[subprocess.Popen], log_dir: Path, lost: dict[int, float | None] | None = None,
-              start=None, *, run_dir: Path | None = None) -> None:
+              start=None, *, run_dir: Path | None = None, stop_file: Path | None = None) -> None:
     """Until every node is done; a node of `lost` that dies is let go (and started again, once, its
-    seconds after the others have gone on without it), any other failure stops the run."""
+    seconds after the others have gone on without it), any other failure stops the run, and so does
+    a line in `stop_file` (raised as a UserError)."""
     from paraloom.train.checkpoint.records import read_resumes
 
     lost = {} if lost is None else lost
@@ -97,6 +114,9 @@ def _wait_all(procs: list[subprocess.Popen], log_dir: Path, lost: dict[int, floa
     waiting: dict[int, tuple[float, int]] = {}  # node: (seconds, resizes on record when it was lost)
     started_again: set[int] = set()
     while True:
+        stopped = read_stop(stop_file)
+        if stopped is not None:
+            raise UserError(stopped)
         codes = [p.poll() for p in procs]
         pending = started_again | set(waiting) | set(back_at)
         if pending and all(c == 0 for i, c in enumerate(codes) if i not in pending):

@@ -11,3 +11,11 @@ class WorkersFailed(RuntimeError):
     def __init__(self, message: str, exitcode: int) -> None:
         super().__init__(message)
         self.exitcode = exitcode
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the command: the CLI prints the message and exits 128 + `signum`."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum

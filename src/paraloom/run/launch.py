@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing
+import signal
+import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from paraloom.config import Config
 from paraloom.config.choices import STRATEGY_ENTRIES
-from paraloom.config.errors import WorkersFailed
+from paraloom.config.errors import Interrupted, UserError, WorkersFailed
 from paraloom.run import prestart, worker
+from paraloom.train import stopping
 
 
 def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = "127.0.0.1",
-                max_restarts: int = 0, start_method: str = "spawn") -> dict[int, Any]:
+                max_restarts: int = 0, start_method: str = "spawn",
+                stop_file: Path | None = None) -> dict[int, Any]:
     """Run `fn(*args)` on `nproc` local workers; returns each rank's result.
 
     Rendezvous stays on `host` (loopback by default): nothing listens beyond this machine.
     `fn` must be importable (workers are spawned, or forked from a forkserver that imported
     `prestart.PRELOAD`) and set GLOO_SOCKET_IFNAME itself if needed. When a worker fails, the agent
     stops the others and starts all of them again, up to `max_restarts` times (each start sees
-    TORCHELASTIC_RESTART_COUNT), forked from the same server.
+    TORCHELASTIC_RESTART_COUNT), forked from the same server. A rank that writes `stop_file` (a
+    mistake a restart would repeat: run/stopping.py) has every worker stopped at once, no restart, and
+    its line raised as a UserError; SIGINT or SIGTERM stops them all and raises `Interrupted`.
     """
     if start_method == "forkserver":
         prestart.take()  # the server `paraloom train` started for this launch, or a new one
@@ -34,8 +44,16 @@ def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = 
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
         local_addr=host, max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method)
+    watching = (stopping.watch_stop_file(stop_file, stopping.signal_self) if stop_file is not None
+                else contextlib.nullcontext())
     try:
-        return elastic_launch(launch, fn)(*args)
+        with watching, _quiet_agent():
+            return elastic_launch(launch, fn)(*args)
+    except SignalException as exc:  # the agent stopped every worker first
+        line = stopping.read_stop(stop_file)
+        if line is not None:
+            raise UserError(line) from None
+        raise Interrupted("interrupted", int(exc.sigval)) from None
     except ChildFailedError as exc:
         rank, failure = min(exc.failures.items(), key=_first_cause)
         cause = _cause(failure)
@@ -44,6 +62,31 @@ def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = 
     finally:
         if start_method == "forkserver":
             prestart.stop()
+
+
+@contextlib.contextmanager
+def _quiet_agent():
+    """The agent's own warnings (a death signal received, workers being stopped) say nothing the
+    launcher's one line does not: kept off the terminal while it runs. The signal handlers it puts
+    in place (each signal raising its SignalException) are taken away when it is done."""
+    logs = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+            if name.startswith("torch.distributed.elastic")]  # each has a level of its own
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS} if main else {}
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+_AGENT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                       if hasattr(signal, name))
 
 
 def _first_cause(item: tuple[int, Any]) -> tuple[int, int]:
@@ -73,8 +116,10 @@ def launch_local(cfg: Config, run_dir: Path, *, started_at: float,
     # CPU workers fork from a forkserver where the platform has one; GPU workers are spawned, so
     # that no import a preload makes can touch CUDA before a worker's fork
     fork = not gpus and "forkserver" in multiprocessing.get_all_start_methods()
-    results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
-                                       cfg.comm.interface or interface),
-                          nproc=nproc, max_restarts=cfg.run.max_restarts,
-                          start_method="forkserver" if fork else "spawn")
+    with tempfile.TemporaryDirectory(prefix="paraloom-stop-") as folder:
+        stop_file = Path(folder) / "stop.json"
+        results = elastic_run(worker.run, (cfg.to_dict(), str(run_dir), started_at,
+                                           cfg.comm.interface or interface, str(stop_file)),
+                              nproc=nproc, max_restarts=cfg.run.max_restarts,
+                              start_method="forkserver" if fork else "spawn", stop_file=stop_file)
     return results[0]

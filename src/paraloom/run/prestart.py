@@ -16,7 +16,8 @@ import multiprocessing
 import os
 import signal
 
-PRELOAD = ["paraloom.run.worker", "paraloom.train"]
+# orphan_guard first: the server dies with the launcher even while it imports the rest
+PRELOAD = ["paraloom.run.orphan_guard", "paraloom.run.worker", "paraloom.train.loop"]
 
 _fresh = False  # the running server was started for the next launch and has served none yet
 

@@ -23,6 +23,7 @@ from paraloom.config import CommConfig, Config, load_config
 from paraloom.config.choices import STRATEGY_ENTRIES
 from paraloom.config.errors import UserError
 from paraloom.run.directory import new_run_dir
+from paraloom.train import stopping
 from paraloom.train.guards import PeerFailure, TooManyBadSteps
 
 
@@ -86,8 +87,23 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
 
 
 def run(config: dict[str, Any], run_dir: str | None, started_at: float,
-        interface: str | None = None) -> dict[str, Any]:
-    """Elastic-agent entry: one rank's whole life, process group set up and torn down."""
+        interface: str | None = None, stop_file: str | None = None) -> dict[str, Any]:
+    """Elastic-agent entry: one rank's whole life, process group set up and torn down.
+
+    A mistake a restart would repeat goes to `stop_file`, where the launcher watches for it
+    (stopping.py); this rank then waits to be stopped with the others."""
+    stopping.die_with_parent()
+    stopping.quiet_on_interrupt()
+    try:
+        return _train_rank(config, run_dir, started_at, interface)
+    except BaseException as exc:
+        if stop_file and stopping.is_deterministic(exc):
+            exit_process(stopping.stop_run(exc, int(os.environ.get("RANK", "0")), stop_file))
+        raise
+
+
+def _train_rank(config: dict[str, Any], run_dir: str | None, started_at: float,
+                interface: str | None) -> dict[str, Any]:
     from paraloom.train import train  # the one loop; it picks the strategy (train/strategies/__init__.py)
 
     cfg = Config.from_dict(config)
@@ -117,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--started-at", type=float, help=argparse.SUPPRESS)  # the launcher's clock
     args = parser.parse_args(argv)
     started_at = args.started_at or started_at
+    stopping.die_with_parent()
+    stopping.quiet_on_interrupt()
     try:
         cfg = load_config(args.config, args.set)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -129,13 +147,17 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = given  # a restart, or --resume: the run continues in its directory
             else:
                 run_dir = new_run_dir(cfg, given, world=int(os.environ.get("WORLD_SIZE", "1")))
-        run(cfg.to_dict(), str(run_dir) if run_dir else None, started_at)
-    except UserError as exc:
-        print(f"paraloom: error: {exc}", file=sys.stderr)
-        return 2
+        _train_rank(cfg.to_dict(), str(run_dir) if run_dir else None, started_at, None)
     except (PeerFailure, TooManyBadSteps) as exc:  # said in full: a traceback would add nothing
         print(f"paraloom: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr)
         return 1  # a failure the elastic agent restarts from the last checkpoint (run.max_restarts)
+    except Exception as exc:
+        if not stopping.is_deterministic(exc):
+            raise  # a collective whose peer went away: torchrun restarts the node
+        # with `paraloom train` watching (an emulated cluster, local nodes) the run stops at once;
+        # under a user's own torchrun the line is printed and torchrun decides
+        rank = int(os.environ.get("RANK", "0"))
+        return stopping.stop_run(exc, rank, os.environ.get(stopping.STOP_FILE_ENV))
     return 0
 
 

@@ -256,3 +256,13 @@ def load_parts(run_dir: Path, step: int, ranks: list[int], device: torch.device,
 
 def _read(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def discard_staging(run_dir: Path) -> list[str]:
+    """Remove the half-written checkpoints (`step-N.tmp/`) a stopped run left; their names. Only
+    for a launcher whose workers are all gone: a live rank 0 may be sealing one."""
+    folder = run_dir / FOLDER
+    staged = sorted(folder.glob("step-*.tmp")) if folder.is_dir() else []
+    for path in staged:
+        shutil.rmtree(path, ignore_errors=True)
+    return [path.name for path in staged]
