@@ -1,20 +1,26 @@
 """Hostile input: generated invalid configs and CLI arguments all end in one line and exit code 2.
 
 Every case is built to be invalid (an unknown key, a value of the wrong type, a number out of
-range, a bad fault spec, a missing path, a YAML tag that would construct a Python object), so a
-case that starts training instead is itself a failure. No case may print a traceback.
+range, a bad fault spec, a missing path, a YAML tag that would construct a Python object, YAML
+past its bounds: an alias bomb, a 1 MB file), so a case that starts training instead is itself a
+failure. No case may print a traceback.
 """
 
 import contextlib
 import io
+import re
 import string
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paraloom.cli import main
+from paraloom.config import load_config
+from paraloom.config.errors import UserError
 from paraloom.config.help import section_keys
+from paraloom.config.yaml_io import parse_overrides, parse_yaml
 
 KEYS = {section: {key: (kind, default) for key, kind, default, _ in rows}
         for section, rows in section_keys().items()}
@@ -149,3 +155,47 @@ def test_every_command_refuses_bad_arguments_in_one_line(argv):
     assert code == 2, err.getvalue()
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("paraloom: error: ") and "Traceback" not in err.getvalue()
+
+
+def _laughs(levels, width=9):
+    """A "billion laughs" under model.options: each of `levels` lists holds `width` aliases of the one
+    before, so the last expands to `width ** levels` values (9 levels: 387 million)."""
+    lists = [f"    l0: &l0 [{', '.join(['lol'] * width)}]"]
+    lists += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "model:\n  options:\n" + "\n".join(lists) + "\n"
+
+
+BOUNDED = {  # config file text, what the one line says
+    "alias bomb": (_laughs(9), "holds more than 10,000 values, aliases expanded"),
+    "a value holding itself": ("model:\n  options:\n    a: &a [1, *a]\n", "alias *a inside the value"),
+    "deep": ("model:\n  options:\n    a: " + "[" * 150 + "]" * 150 + "\n", "nests deeper than 100 levels"),
+    "over 1 MB": ("run:\n  name: big\n" + "# padding\n" * 110_000, "is over 1,048,576 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDED))
+def test_config_beyond_its_bounds_is_refused_in_a_second_before_a_run_directory(case, tmp_path):
+    text, says = BOUNDED[case]
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    started = time.perf_counter()
+    with pytest.raises(UserError, match=re.escape(says)):
+        load_config(path)
+    assert time.perf_counter() - started < 1, case
+    out = tmp_path / "runs"
+    code, err = _run([str(path), "--set", f"run.out_dir={out}"])
+    assert code == 2 and err.count("\n") == 1 and says in err and str(path) in err, err
+    assert not out.exists()
+
+
+def test_a_set_value_is_bounded_as_a_config_file_is(tmp_path):
+    bomb = "[" + ", ".join(f"&l{i} [{', '.join([f'*l{i - 1}' if i else 'lol'] * 9)}]" for i in range(9)) + "]"
+    started = time.perf_counter()
+    with pytest.raises(UserError, match="holds more than 10,000 values"):
+        parse_overrides([f"model.options.x={bomb}"])
+    assert time.perf_counter() - started < 1
+    code, err = _run(["--set", f"model.options.x={bomb}", "--set", f"run.out_dir={tmp_path / 'runs'}"])
+    assert code == 2 and err.count("\n") == 1 and "--set model.options.x= holds more than 10,000" in err, err
+    assert not (tmp_path / "runs").exists()
+    # within the bounds, aliases read as before
+    assert parse_yaml("a: &a [1, 2]\nb: *a\n", "config") == {"a": [1, 2], "b": [1, 2]}

@@ -1,5 +1,12 @@
 """Config text: YAML read safely, dotted `--set` overrides, their merge, values checked against types
-and built into a section."""
+and built into a section.
+
+YAML is bounded before anything is built from it: a file over MAX_BYTES is refused before parsing,
+and text is refused from its parse events, before they are composed, where its values number over
+MAX_NODES with every alias counted as the value it names (a "billion laughs", nine lists of nine
+aliases of the list before, is 600 bytes and 387 million values once expanded, as writing the config
+out expands it) or nest deeper than MAX_DEPTH (yaml's composer recurses).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,11 @@ import yaml
 
 from paraloom.config import rules
 from paraloom.config.errors import UserError
+
+MAX_BYTES = 1 << 20  # a config holds settings, not data: real ones are a few kB
+MAX_NODES = 10_000  # values of a config or a --set value, every alias counted as what it stands for
+MAX_DEPTH = 100  # nesting; yaml's composer fails near 300 levels with a RecursionError
+_PARSER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml, where PyYAML was built with it: 15x faster
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
@@ -36,6 +48,7 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 def _parse_scalar(text: str, key: str) -> Any:
     try:
+        check_bounds(text, f"--set {key}=")
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         return text
@@ -48,9 +61,59 @@ def _parse_scalar(text: str, key: str) -> Any:
     return value
 
 
-def parse_yaml(text: str, source: str) -> Any:
-    """yaml.safe_load (no tag constructs Python objects), a syntax error as one line naming `source`."""
+def check_bounds(text: str, source: str) -> None:
+    """UserError naming `source` if YAML `text` is over MAX_BYTES, or, aliases expanded, over MAX_NODES
+    values or MAX_DEPTH levels deep, or holds itself; yaml.YAMLError, as safe_load's, if it is not YAML."""
+    if len(text) > MAX_BYTES:
+        raise UserError(f"{source} is {len(text):,} characters, over the {MAX_BYTES:,} a config may hold: "
+                        "refused; give data as a path to a file of its own")
     try:
+        _count(text, source, _PARSER)
+    except yaml.YAMLError:
+        if _PARSER is yaml.SafeLoader:
+            raise
+        _count(text, source, yaml.SafeLoader)  # what libyaml refuses, safe_load may read: it decides
+
+
+def _count(text: str, source: str, loader: Any) -> None:
+    """check_bounds on `loader`'s parse events, each anchored value's size counted once."""
+    sizes: dict[str, int] = {}  # an anchored value's size, aliases in it expanded
+    open_: list[list[Any]] = []  # [anchor, size so far] of each sequence or mapping being read
+    total = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_.append([event.anchor, 1])
+            total += 1
+            if len(open_) > MAX_DEPTH:
+                raise UserError(f"{source} nests deeper than {MAX_DEPTH} levels: refused")
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = open_.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1
+            total += 1
+        elif isinstance(event, yaml.AliasEvent):
+            if any(frame[0] == event.anchor for frame in open_):
+                raise UserError(f"{source} holds an alias *{event.anchor} inside the value it names: "
+                                "a value that contains itself is refused")
+            anchor, size = None, sizes.get(event.anchor, 1)  # an undefined one: the load says so
+            total += size
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        if open_:
+            open_[-1][1] += size
+        if total > MAX_NODES:
+            raise UserError(f"{source} holds more than {MAX_NODES:,} values, aliases expanded: refused; "
+                            "give data as a path to a file of its own")
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load (no tag constructs Python objects) of bounded text (check_bounds), a syntax error
+    as one line naming `source`."""
+    try:
+        check_bounds(text, source)
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -63,7 +126,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping safely; no tag may construct Python objects."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # no more, whatever the file (a device, a 50 MB file)
+        if len(data) > MAX_BYTES:
+            raise UserError(f"config file {str(path)!r} is over {MAX_BYTES:,} bytes: refused before parsing; "
+                            "a config holds settings, give data as a path to a file of its own")
+        text = data.decode()
     except FileNotFoundError:
         raise UserError(f"config file {str(path)!r} does not exist") from None
     except IsADirectoryError:

@@ -1,13 +1,20 @@
-"""Checkpoint files: atomic folders with checksums, keep-last-k, damaged ones passed over by name."""
+"""Checkpoint files: atomic folders with checksums, keep-last-k, damaged ones passed over by name, crafted
+ones refused in one line."""
 
+import hashlib
+import io
 import json
 import pickle
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from distributed import run_workers
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from paraloom.comm.objects import broadcast_text
+from paraloom.config.errors import UserError
 from paraloom.train.checkpoint.store import (
     agree_on_checkpoint,
     latest_valid,
@@ -122,3 +129,76 @@ def _texts(rank, world, text):
 def test_broadcast_text_sends_rank_zeros_string():
     out = run_workers(_texts, 3, "/runs/ünïcode path")
     assert out == [("/runs/ünïcode path", None)] * 3
+
+
+def _save_genuine(rank, world, run_dir, state):
+    save_checkpoint(run_dir, 10, local=state["local"], shared=state["shared"], keep=3)
+
+
+def _reseal(folder, name, data):
+    """Write `data` as the checkpoint's file `name` and its checksum into the manifest, as a forger would."""
+    (folder / name).write_bytes(data)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(folder) is None  # the checksums match: only the allow-list stands in the way
+
+
+def _with_bytes_entry(metadata):
+    """A genuine `.metadata` whose first entry says "bytes": DCP torch.loads those with weights_only=False."""
+    fqn = next(iter(metadata.state_dict_metadata))
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+    return metadata
+
+
+def _outside(metadata):
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = "../step-00000009/__0_0.distcp"
+    return metadata
+
+
+CRAFTED = {  # file, what it becomes (given the genuine `.metadata` and a marker path), what the error names
+    "trap": (".metadata", lambda md, marker: _Trap(marker), "names pathlib.Path.touch, which"),
+    "trap inside": (".metadata", lambda md, marker: (setattr(md, "version", _Trap(marker)), md)[1],
+                    "names pathlib.Path.touch, which"),
+    "bytes entry": (".metadata", lambda md, marker: _with_bytes_entry(md),
+                    "names torch.distributed.checkpoint.metadata.BytesStorageMetadata, which"),
+    "outside": (".metadata", lambda md, marker: _outside(md), "points at '../step-00000009/__0_0.distcp'"),
+    "not metadata": (".metadata", lambda md, marker: [1, 2], "holds a list, not DCP metadata"),
+    "objects": ("objects-rank0.pt", None, "names getattr, which torch.load(weights_only=True) refuses"),
+}
+
+
+def test_a_genuine_checkpoint_loads_bitwise_and_crafted_files_are_refused_in_one_line(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    state = {"local": {"step": 10, "w": torch.randn(7, 3, generator=generator).to(torch.bfloat16),
+                       "ids": torch.randint(-2**62, 2**62, (5,), generator=generator), "lr": 0.1},
+             "shared": {"model": {"fc.weight": torch.randn(4, 4, generator=generator)},
+                        "n": torch.tensor(3.0)}}
+    run_workers(_save_genuine, 1, tmp_path, state)
+    folder = step_dir(tmp_path, 10)
+    shared, local = load_checkpoint(tmp_path, 10, 0, torch.device("cpu"))
+    assert local["step"] == 10 and local["lr"] == 0.1 and local["w"].dtype == torch.bfloat16
+    for got, want in ((local["w"], state["local"]["w"]), (local["ids"], state["local"]["ids"]),
+                      (shared["model"]["fc.weight"], state["shared"]["model"]["fc.weight"]),
+                      (shared["n"], state["shared"]["n"])):
+        assert torch.equal(got, want) and got.dtype == want.dtype
+    genuine = {name: (folder / name).read_bytes() for name in (".metadata", "objects-rank0.pt")}
+    marker = tmp_path / "unpickled"
+    for case, (name, make, says) in CRAFTED.items():
+        if make is None:
+            buffer = io.BytesIO()
+            torch.save({"local": _Trap(str(marker)), "shared": None}, buffer)
+            data = buffer.getvalue()
+        else:
+            data = pickle.dumps(make(pickle.loads(genuine[".metadata"]), str(marker)))
+        _reseal(folder, name, data)
+        started = time.perf_counter()
+        with pytest.raises(UserError) as refused:
+            load_checkpoint(tmp_path, 10, 0, torch.device("cpu"))
+        message = str(refused.value)
+        assert says in message and str(folder / name) in message and "\n" not in message, (case, message)
+        assert time.perf_counter() - started < 1 and not marker.exists(), case
+        _reseal(folder, name, genuine[name])
+    shared, local = load_checkpoint(tmp_path, 10, 0, torch.device("cpu"))  # the genuine files load again
+    assert torch.equal(local["w"], state["local"]["w"])

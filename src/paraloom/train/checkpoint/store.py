@@ -11,9 +11,12 @@ is saved as DTensors, which DCP reshards when a run of another size loads it. Ra
 `step-<8-digit step>.tmp/`; rank 0 then fsyncs and hashes what is on disk, writes the manifest
 and renames the folder into place, so a checkpoint is either whole or absent (with `seal_behind`,
 that sealing runs on a thread of rank 0's own, and no rank waits on the disk). Nothing
-of a checkpoint is read before every checksum matches (DCP's reader unpickles its `.metadata`):
-a damaged checkpoint is passed over for the previous one, with a warning naming the file. The
-run directory must be reachable from every rank (one machine, or a shared filesystem).
+of a checkpoint is read before every checksum matches: a damaged checkpoint is passed over for
+the previous one, with a warning naming the file. The checksums catch damage, not tampering
+(whoever can write the folder can rewrite the manifest too): so what is unpickled is unpickled by
+an allow-list (`weights_only=True` for paraloom's files, reader.py's for DCP's `.metadata`), and a
+file that names anything else is refused in one line. The run directory must be reachable from
+every rank (one machine, or a shared filesystem).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 import sys
 import threading
@@ -33,7 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from paraloom.config.errors import UserError
 from paraloom.train.checkpoint import state_tree
+from paraloom.train.checkpoint.reader import CheckpointReader
 
 FOLDER = "checkpoints"
 ROOT = "state"  # every tensor under one key: DCP logs each top-level key it turns into a state dict
@@ -246,16 +253,23 @@ def load_parts(run_dir: Path, step: int, ranks: list[int], device: torch.device,
     for skeleton in [*parts, *([shared] if shared is not None else [])]:
         wanted.update(state_tree.targets(skeleton, device, make_sharded))
     single = not (dist.is_available() and dist.is_initialized())
+    reader = CheckpointReader(path)
+    reader.read_metadata()  # refused here, in one line: DCP logs a traceback and wraps what its reader raises
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # a single process: meant
-        dcp.load({ROOT: wanted}, storage_reader=dcp.FileSystemReader(path), process_group=group,
-                 no_dist=single)
+        dcp.load({ROOT: wanted}, storage_reader=reader, process_group=group, no_dist=single)
     return (None if shared is None else state_tree.join(shared, wanted)), \
         [state_tree.join(part, wanted) for part in parts]
 
 
 def _read(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:  # torch's allow-list refused a global: its message runs to lines
+        refused = re.search(r"GLOBAL (\S+)", str(exc))
+        what = f"names {refused.group(1)}, which" if refused else "holds an object that"
+        raise UserError(f"checkpoint file {path} {what} torch.load(weights_only=True) refuses: refused "
+                        "(the file may be crafted)") from None
 
 
 def discard_staging(run_dir: Path) -> list[str]:
