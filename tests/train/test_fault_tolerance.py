@@ -147,8 +147,9 @@ def test_a_finished_run_resumed_as_it_was_is_refused(tmp_path, capsys):
     assert main(["train", "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("paraloom: error: nothing is left to train: the run in ")
-    assert len(err.splitlines()) == 1 and "finished at its last step, 2 (optim.max_steps=2); to train on, " \
-        "raise optim.max_steps above 2" in err
+    assert len(err.splitlines()) == 1 and "finished at step 2, its newest checkpoint (summary.json); to " \
+        f"train on, raise optim.max_steps (now 2) with --set: paraloom train --resume {run_dir} --set " \
+        "optim.max_steps=..." in err
     assert not (run_dir / "config_history.jsonl").exists()
 
 

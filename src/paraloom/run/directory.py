@@ -246,11 +246,12 @@ def _refuse_finished(run_dir: Path, cfg: Config, step: int) -> None:
 
     if reported_steps(run_dir) != step:
         return
-    limit = "optim.max_steps" if cfg.optim.max_steps == step else "optim.epochs"  # the one that ended it
-    value = cfg.optim.max_steps if limit == "optim.max_steps" else cfg.optim.epochs
-    raise UserError(f"nothing is left to train: the run in {run_dir} finished at its last step, {step} "
-                    f"({limit}={value}); to train on, raise {limit} above {value} with --set: paraloom train "
-                    f"--resume {run_dir} --set {limit}=...")
+    max_steps = cfg.optim.max_steps
+    limit, value = ("optim.max_steps", max_steps) if max_steps is not None and max_steps <= step else \
+        ("optim.epochs", cfg.optim.epochs)  # the one that ended it
+    raise UserError(f"nothing is left to train: the run in {run_dir} finished at step {step}, its newest "
+                    f"checkpoint (summary.json); to train on, raise {limit} (now {value}) with --set: "
+                    f"paraloom train --resume {run_dir} --set {limit}=...")
 
 
 def whole_checkpoint(run_dir: Path) -> int | None:
