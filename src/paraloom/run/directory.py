@@ -137,8 +137,8 @@ def claim_run_dir(cfg: Config, path: Path | None = None, *, world: int | None = 
 
 
 def _make_new(base: Path, name: str) -> Path:
-    """A run directory of a generated name: of two launchers that start in the same second, one makes
-    `name`, the other `name-2`."""
+    """A new folder `name` under `base`, made by this call alone (a generated run name: of two launchers
+    that start in the same second, one makes `name`, the other `name-2`)."""
     suffix = 1
     while True:
         path = base / (name if suffix == 1 else f"{name}-{suffix}")
@@ -280,14 +280,7 @@ def _discard(run_dir: Path) -> Path | None:
     moving = [p for p in run_dir.iterdir() if p.name not in KEPT and not p.name.startswith(DISCARDED)]
     if not moving:
         return None
-    stamp, suffix = time.strftime("%Y%m%d-%H%M%S"), 1
-    while True:
-        target = run_dir / (f"{DISCARDED}{stamp}" if suffix == 1 else f"{DISCARDED}{stamp}-{suffix}")
-        try:
-            target.mkdir()
-            break
-        except FileExistsError:
-            suffix += 1
+    target = _make_new(run_dir, DISCARDED + time.strftime("%Y%m%d-%H%M%S"))
     for path in moving:
         path.rename(target / path.name)
     return target
