@@ -1,7 +1,10 @@
 """The CLI: user errors are one line with exit code 2; `paraloom train` runs end to end."""
 
+import contextlib
+import fcntl
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -62,6 +65,70 @@ def test_existing_run_name_is_refused(tmp_path, monkeypatch, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
+def _one_error_line(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("paraloom: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@contextlib.contextmanager
+def _held(run_dir):
+    """The lock a running `paraloom train` holds on its run directory, taken by this process."""
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_a_run_directory_in_use_is_refused_naming_its_holder(tmp_path, capsys):
+    """A second run of the same run.name, or a second --resume, while the first runs: one line naming the
+    process that holds it, nothing written; a lock its holder left when it died holds nothing."""
+    from paraloom.config import load_config
+    from paraloom.run.directory import claim_run_dir, new_run_dir
+
+    run_dir = tmp_path / "mine"
+    with claim_run_dir(load_config(None, ["optim.max_steps=4"]), run_dir):  # a launcher that has just begun
+        written = (run_dir / "config.yaml").read_text()
+        for argv in (["--set", f"run.out_dir={tmp_path}", "--set", "run.name=mine"],
+                     ["--resume", str(run_dir)]):
+            assert main(["train", *argv, "--set", "optim.max_steps=6"]) == 2
+            line = _one_error_line(capsys)
+            assert f"is in use by process {os.getpid()}" in line and "one run at a time" in line
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.yaml"]
+        assert (run_dir / "config.yaml").read_text() == written
+    # the holder is gone, its lock file stays: the directory is a prepared one, taken as it is
+    assert new_run_dir(load_config(None, ["optim.max_steps=2"]), run_dir) == run_dir
+    assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"  # held by this process until it ends
+
+
+def test_a_resume_of_a_run_in_use_is_refused_before_its_checkpoints_are_read(tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("optim:\n  max_steps: 4\n")
+    (run_dir / "checkpoints" / "step-00000002").mkdir(parents=True)  # damaged: no manifest
+    with _held(run_dir):
+        assert main(["train", "--resume", str(run_dir)]) == 2
+        assert f"in use by process {os.getpid()}" in _one_error_line(capsys)
+    assert main(["train", "--resume", str(run_dir)]) == 2  # a stale lock: on to the checkpoints
+    assert "no checkpoint is whole" in _one_error_line(capsys)
+    assert not (run_dir / "config_history.jsonl").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--restart-from-scratch"], "--restart-from-scratch starts the run given with --resume RUN_DIR again"),
+    (["--resume", "{run}", "--set", "run.name=other"], "a resumed run keeps its directory"),
+])
+def test_resume_options_that_cannot_apply_are_refused(argv, message, tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("run:\n  name: x\n")
+    assert main(["train", *(a.replace("{run}", str(tmp_path)) for a in argv)]) == 2
+    assert message in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
 def test_help_lists_sections_and_keys(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
@@ -107,6 +174,25 @@ def test_worker_module_runs_under_torchrun(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     _check_run_dir(tmp_path / "tr", steps=4, log_every=2)
+
+
+def test_rank_0_under_a_users_torchrun_takes_the_run_directory_or_names_its_holder(tmp_path, capsys,
+                                                                                   monkeypatch):
+    """No paraloom launcher holds the directory there: rank 0 does, a new run's and a continued one's."""
+    from paraloom.run import worker
+
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    config, run_dir = tmp_path / "c.yaml", tmp_path / "tr"
+    config.write_text(yaml.safe_dump({"optim": {"max_steps": 4}}))
+    run_dir.mkdir()
+    with _held(run_dir):
+        assert worker.main([str(config), "--run-dir", str(run_dir)]) == 2  # a new run in it
+        (run_dir / "checkpoints").mkdir()
+        assert worker.main([str(config), "--run-dir", str(run_dir)]) == 2  # continuing its run
+    err = capsys.readouterr().err
+    assert err.count(f"error: run directory {str(run_dir)!r} is in use by process {os.getpid()}") == 2
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]
 
 
 def test_a_peer_lost_under_torchrun_is_one_line_not_a_traceback(tmp_path):

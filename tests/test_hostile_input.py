@@ -13,6 +13,7 @@ import string
 import time
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -138,6 +139,30 @@ def test_yaml_that_constructs_python_objects_is_refused(tmp_path):
         path.write_text(f"run:\n  name: {tag}\n")
         code, err = _run([str(path)])
         assert code == 2 and err.startswith("paraloom: error: ") and "not valid YAML" in err, err
+
+
+@pytest.mark.parametrize("name", ["x" * 101, "x" * 300, "two\nlines", ".hidden", "-rf", "a b", "a/b", "..",
+                                  "naïve", "tab\t", ""])
+def test_a_run_name_that_is_no_plain_directory_name_is_refused(name, tmp_path, monkeypatch):
+    """Before anything is made: 300 characters once gave a traceback (File name too long), a newline a
+    folder named with it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"run": {"name": name}}))
+    for argv in (["c.yaml"], ["--set", f"run.name={name}"])[:2 if name else 1]:  # `run.name=`: no name
+        code, err = _run(argv)
+        assert code == 2, (argv, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("paraloom: error: run.name="), (argv, err)
+        if name.strip() and "\n" not in name:  # --set reads the value as YAML: these are no name
+            assert "1 to 100 letters (a-z, A-Z), digits, '.', '_' or '-'" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_a_run_name_of_100_plain_characters_is_taken():
+    from paraloom.config import load_config
+
+    for name in ("a" * 100, "run_1.2-b", "_x", "9a"):
+        assert load_config(None, [f"run.name={name}"]).run.name == name
 
 
 @pytest.mark.parametrize("argv", [

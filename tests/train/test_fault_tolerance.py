@@ -1,6 +1,7 @@
 """The whole CLI under faults: killed ranks restart and finish exactly, damaged checkpoints are passed
 over, hung ranks are named within the timeout, NaN steps are skipped, memory stays flat."""
 
+import hashlib
 import json
 import os
 import random
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from paraloom.config import load_config
 from paraloom.train.checkpoint.store import step_dir
 
 SMALL = ["--set", "model.name=mlp", "--set", "model.hidden=32", "--set", "optim.epochs=2",
@@ -94,6 +97,107 @@ def test_truncated_latest_checkpoint_resumes_from_the_one_before(baseline, tmp_p
     assert "resuming from checkpoint step 30 of 46" in done.stderr
     expected, got = final_params(baseline), final_params(run_dir)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def _prepared_run(run_dir: Path, steps: list[int], *, damaged: bool, summary_at: int | None = None) -> None:
+    """A run directory as a run that saved `steps` leaves it: its config, metrics and sealed checkpoints
+    (manifest and checksums; `damaged`: no file matches its checksum)."""
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(f"run:\n  name: {run_dir.name}\nmodel:\n  name: mlp\n  hidden: 8\n"
+                                         "optim:\n  max_steps: 2\n")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+    if summary_at is not None:
+        (run_dir / "summary.json").write_text(json.dumps({"steps": summary_at}))
+    for step in steps:
+        folder = step_dir(run_dir, step)
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"tensors")
+        digest = hashlib.sha256(b"tensors" + (b"!" if damaged else b"")).hexdigest()
+        (folder / "manifest.json").write_text(json.dumps({"step": step, "world_size": 1, "files": {
+            "__0_0.distcp": {"sha256": digest, "bytes": 7}}}))
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_whose_checkpoints_are_all_damaged_is_refused_and_changes_nothing(tmp_path, capsys):
+    """Once it started again from step 0 after two warnings, over the damaged checkpoints and metrics."""
+    from paraloom.cli import main
+
+    run_dir = tmp_path / "damaged"
+    _prepared_run(run_dir, [10, 20], damaged=True)
+    before = _snapshot(run_dir)
+    assert main(["train", "--resume", str(run_dir), "--set", "optim.max_steps=30"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("paraloom: error: ") and "Traceback" not in err, err
+    for step in (10, 20):  # each checkpoint named, with why it was passed over
+        assert f"step-000000{step}: {step_dir(run_dir, step)}/__0_0.distcp does not match its checksum" in err
+    assert "--restart-from-scratch" in err
+    assert _snapshot(run_dir) == {**before, ".lock": b""}  # its lock, let go
+
+
+def test_a_finished_run_resumed_as_it_was_is_refused(tmp_path, capsys):
+    """Once "resuming from checkpoint step 2 of 2", a run that trained nothing, its summary written again."""
+    from paraloom.cli import main
+
+    run_dir = tmp_path / "done"
+    _prepared_run(run_dir, [2], damaged=False, summary_at=2)
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("paraloom: error: nothing is left to train: the run in ")
+    assert len(err.splitlines()) == 1 and "finished at step 2, its newest checkpoint (summary.json); to " \
+        f"train on, raise optim.max_steps (now 2) with --set: paraloom train --resume {run_dir} --set " \
+        "optim.max_steps=..." in err
+    assert not (run_dir / "config_history.jsonl").exists()
+
+
+def test_restart_from_scratch_moves_the_earlier_attempt_aside_and_records_the_overrides(tmp_path, capsys):
+    """The explicit way to start again in the same directory: nothing deleted, the config's overrides kept
+    for the next --resume (which once dropped them without a word)."""
+    from paraloom.cli import main
+
+    run_dir = tmp_path / "again"
+    _prepared_run(run_dir, [10, 20], damaged=True)
+    before = _snapshot(run_dir)
+    assert main(["train", "--resume", str(run_dir), "--restart-from-scratch", "--nproc", "1",
+                 "--set", "optim.max_steps=3", "--set", "run.log_every=1"]) == 0
+    err = capsys.readouterr().err
+    assert f"paraloom: starting {run_dir} again from step 0 (--restart-from-scratch): its earlier " in err
+    assert "resuming from checkpoint" not in err and "skipping checkpoint" not in err
+    discarded = next(run_dir.glob("discarded-*"))
+    assert _snapshot(discarded) == {name: data for name, data in before.items() if name != "config.yaml"}
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in rows] == [1, 2, 3]  # this run's alone
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-00000003"]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["optim"]["max_steps"] == 3 and config["parallel"]["nproc"] == 1
+    assert config["run"]["name"] == "again" and config["model"]["hidden"] == 8
+    (record,) = [json.loads(line) for line in (run_dir / "config_history.jsonl").read_text().splitlines()]
+    assert record["step"] is None and record["discarded"] == discarded.name
+    assert record["overrides"] == ["optim.max_steps=3", "run.log_every=1", "parallel.nproc=1"]
+    # the run it started is whole: resumed as it is, it has nothing left to train
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    assert "nothing is left to train: the run in " in capsys.readouterr().err
+
+
+def test_a_resume_before_the_first_checkpoint_says_it_starts_from_step_0(tmp_path, capsys):
+    from paraloom.run.directory import resume_run
+
+    run_dir = tmp_path / "early"
+    _prepared_run(run_dir, [], damaged=False)
+    (run_dir / "checkpoints" / "step-00000010.tmp").mkdir(parents=True)  # a save the stop cut short
+    cfg = load_config(run_dir / "config.yaml", ["optim.max_steps=4"])
+    with resume_run(run_dir, cfg, overrides=["optim.max_steps=4"], inject=[]) as resumed:
+        assert resumed.step is None
+        assert resumed.begin(cfg) == run_dir
+    err = capsys.readouterr().err
+    assert f"paraloom: {run_dir} holds no checkpoint (its run stopped before writing one): training starts " \
+           "from step 0\n" in err
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["optim"]["max_steps"] == 4
+    (record,) = [json.loads(line) for line in (run_dir / "config_history.jsonl").read_text().splitlines()]
+    assert record["step"] is None and record["overrides"] == ["optim.max_steps=4"]
 
 
 def test_hung_rank_fails_the_run_within_the_timeout_naming_it(tmp_path):

@@ -135,8 +135,9 @@ def test_resume_on_the_same_grid_equals_a_straight_run(tmp_path, capfd):
         assert_close(a["final_loss"], b["final_loss"], rtol=0, atol=0)
         assert_close(a["val_loss"], b["val_loss"], rtol=0, atol=0)
 
-    # another grid goes on (tests/train/test_resplit.py), but not from an interleaved schedule's
-    assert run_workers(_train_or_refuse, 2, ["parallel.tp=2", "optim.max_steps=6"], resumed_dir,
+    # another grid goes on (tests/train/test_resplit.py; the run finished at 6: 2 more steps), but not
+    # from an interleaved schedule's
+    assert run_workers(_train_or_refuse, 2, ["parallel.tp=2", "optim.max_steps=8"], resumed_dir,
                        timeout=60) == [None, None]
     interleaved = tmp_path / "interleaved"
     interleaved.mkdir()

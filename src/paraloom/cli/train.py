@@ -49,6 +49,10 @@ def train(
         metavar="FAULT", help="inject a fault (repeatable): kill:rank=1,step=30, hang:rank=2,"
                               "step=10, nan:rank=0,step=5, slow:rank=1,factor=2.0, "
                               "slow:rank=random,factor=2.0")] = None,
+    restart_from_scratch: Annotated[bool, typer.Option(
+        "--restart-from-scratch", help="with --resume: train the run again from step 0 in its directory, "
+                                       "moving its checkpoints, metrics and records into "
+                                       "RUN_DIR/discarded-<time>/")] = False,
 ) -> None:
     """Train a model with local worker processes; writes runs/<name>/."""
     started_at = time.time()
@@ -76,8 +80,13 @@ def train(
         raise UserError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     _check_device(cfg)
     node_range = cfg.run.node_range()  # without a cluster: as many local nodes (cluster/local.py)
-    with cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) as nodes, \
-            _stopping_forkserver():
+    # the run directory's lock (run/directory.py), held until the command ends: taken here for --resume
+    # (refused at once where another process holds it, or where no checkpoint is whole), in _train_on
+    # for a new run, whose name is settled there
+    held = contextlib.ExitStack()
+    resumed = _take_resumed(held, resume, cfg, overrides, inject or [], restart=restart_from_scratch)
+    with held, cluster_from_options(cluster, emulate, local_nodes=node_range[1] if node_range else None) \
+            as nodes, _stopping_forkserver():
         forks, calibrates = _forks_here(cfg, nodes), _calibrates_first(cfg)
         if forks and not calibrates:
             prestart.start()  # CPU workers here: their server imports beside this launcher's imports
@@ -102,7 +111,7 @@ def train(
         profile = _calibrate_once(cfg, emulated)
         if forks and calibrates:
             prestart.start()  # only now: the first-use calibration measured a machine at rest
-        summary, run_dir = _train_on(cfg, nodes, world, started_at, resume,
+        summary, run_dir = _train_on(cfg, nodes, world, started_at, resumed, held=held,
                                      profile=profile if emulated else None)
     print_summary(summary, run_dir)
     print_contract(summary.get("contract"))
@@ -196,6 +205,19 @@ def _needs_preflight(cfg) -> bool:
                 or cfg.optim.name.lower() not in OPTIMIZERS or cfg.optim.options or cfg.optim.no_decay)
 
 
+def _take_resumed(held: contextlib.ExitStack, run_dir: Path | None, cfg, overrides: list[str],
+                  inject: list[str], *, restart: bool):
+    """`--resume RUN_DIR`'s Resume (run/directory.py), its lock given to `held`; None for a new run."""
+    if run_dir is None:
+        if restart:
+            raise UserError("--restart-from-scratch starts the run given with --resume RUN_DIR again; give "
+                            "--resume RUN_DIR")
+        return None
+    from paraloom.run.directory import resume_run
+
+    return held.enter_context(resume_run(run_dir, cfg, overrides=overrides, inject=inject, restart=restart))
+
+
 def _resumable(run_dir: Path) -> Path:
     if not (run_dir / "config.yaml").is_file():
         what = "does not exist" if not run_dir.exists() else "is not a run directory (no config.yaml)"
@@ -203,13 +225,15 @@ def _resumable(run_dir: Path) -> Path:
     return run_dir
 
 
-def _train_on(cfg, nodes, world: int, started_at: float, resume: Path | None = None, *,
+def _train_on(cfg, nodes, world: int, started_at: float, resume=None, *, held: contextlib.ExitStack,
               profile: Path | None = None):
-    """Launch the run, here or on `nodes`; `profile`: the cached profile its prediction is made from
-    here, before launch, in place of the one its rank 0 would read (an emulated cluster's links)."""
-    from paraloom.run.directory import new_run_dir
+    """Launch the run, here or on `nodes`: `resume` (run/directory.py's Resume), or a new run directory,
+    whose lock goes to `held`; `profile`: the cached profile its prediction is made from here, before
+    launch, in place of the one its rank 0 would read (an emulated cluster's links)."""
+    from paraloom.run.directory import claim_run_dir
 
-    run_dir = resume if resume is not None else new_run_dir(cfg, world=world)
+    run_dir = resume.begin(cfg) if resume is not None else \
+        held.enter_context(claim_run_dir(cfg, world=world)).path
     where = f"on {nodes.describe()}" if nodes else "on this machine"
     Console(stderr=True).print(f"paraloom: {world} workers {where}, {cfg.model.name} on {cfg.data.name}, "
                                f"run directory {run_dir}", highlight=False, soft_wrap=True)
@@ -244,7 +268,7 @@ def _launch(cfg, nodes, run_dir: Path, started_at: float) -> dict:
     faults = parse_faults(cfg.run.inject) if cfg.run.inject else []
     lost = {f.node: f.back for f in faults if f.kind == "lose"}
     torchrun_on_cluster(nodes, ["paraloom.run.worker", str(run_dir / "config.yaml"), "--run-dir",
-                                str(run_dir), "--started-at", repr(started_at)],
+                                str(run_dir), "--run-locked", "--started-at", repr(started_at)],
                         log_dir=run_dir / "nodes", nproc_per_node=cfg.parallel.nproc,
                         max_restarts=cfg.run.max_restarts, min_nodes=node_range[0] if node_range else None,
                         lost=lost)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,10 @@ from paraloom.config.yaml_io import build_section, merge, parse_overrides, read_
 def _one_of(*names: str, default: str, factory: bool = False) -> Any:
     """A name out of `names`; with `factory`, also a user's `package.module:factory`."""
     return field(default=default, metadata={"choices": names, "factory": factory})
+
+
+# run.name: one directory name any filesystem, shell and tool takes as it is
+RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 
 
 def _options() -> Any:
@@ -70,8 +75,11 @@ class RunConfig:
         if self.inject is not None:
             parse_faults(self.inject)
         self.node_range()
-        if self.name is not None and (not self.name or "/" in self.name or self.name in {".", ".."}):
-            raise UserError(f"run.name={self.name!r} must be a plain directory name")
+        if self.name is not None and not RUN_NAME.fullmatch(self.name):
+            shown = repr(self.name) if len(self.name) <= 100 else \
+                f"{self.name[:20]!r}... ({len(self.name)} characters)"
+            raise UserError(f"run.name={shown} must be a plain directory name: 1 to 100 letters (a-z, A-Z), "
+                            "digits, '.', '_' or '-', not starting with '.' or '-'")
 
     def node_range(self) -> tuple[int, int] | None:
         """(MIN, MAX) of run.nodes, or None."""

@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--run-dir", help="run directory on global rank 0 (default: a new one)")
     parser.add_argument("--started-at", type=float, help=argparse.SUPPRESS)  # the launcher's clock
+    # `paraloom train` made or checked --run-dir, and holds its lock for the run's whole life
+    parser.add_argument("--run-locked", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     started_at = args.started_at or started_at
     stopping.die_with_parent()
@@ -143,8 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             given = Path(args.run_dir) if args.run_dir else None
             restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-            if given is not None and (restarted or (given / "checkpoints").is_dir()):
+            # under a user's own torchrun, rank 0 holds the run directory's lock until its process ends
+            if given is not None and args.run_locked:
+                run_dir = given
+            elif given is not None and (restarted or (given / "checkpoints").is_dir()):
+                from paraloom.run.directory import RunLock
+
                 run_dir = given  # a restart, or --resume: the run continues in its directory
+                RunLock(given, wait_s=30 if restarted else 0)  # a restart waits for the dead rank's loaders
             else:
                 run_dir = new_run_dir(cfg, given, world=int(os.environ.get("WORLD_SIZE", "1")))
         _train_rank(cfg.to_dict(), str(run_dir) if run_dir else None, started_at, None)

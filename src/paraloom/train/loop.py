@@ -109,6 +109,7 @@ class Loop:
         self.ema = WeightAverage(strategy.model, cfg.optim.ema) if cfg.optim.ema is not None else None
         self.checkpointer = CheckpointManager(cfg, strategy, run_dir, rank=self.rank, device=device,
                                               is_main=self.is_main, total_steps=self.total_steps,
+                                              per_epoch=self.per_epoch,
                                               ema=self.ema)
         restored = self.checkpointer.resume()
         if restored is not None:

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from paraloom.comm.collectives import default_timeout
+from paraloom.comm.objects import broadcast_text
 from paraloom.config import Config
 from paraloom.config.errors import UserError
 from paraloom.optim.ema import WeightAverage
 from paraloom.perfmodel.runs.contract import replan
-from paraloom.train.checkpoint.records import PROGRESS, record_resize, record_resume
+from paraloom.train.checkpoint.records import PROGRESS, record_resize, record_resume, reported_steps
 from paraloom.train.checkpoint.store import (
     PendingSave,
     agree_on_checkpoint,
@@ -45,13 +46,15 @@ class CheckpointManager:
     """One rank's checkpoints: saved and resumed collectively over the strategy's checkpoint group.
 
     `strategy` gives and takes its own state; `ema` (optim.ema's average, or None) is saved beside it;
-    the RNG states are saved and restored here. `total_steps`: the run's last step, always saved."""
+    the RNG states are saved and restored here. `total_steps`: the run's last step, always saved;
+    `per_epoch`: its steps in an epoch."""
 
     def __init__(self, cfg: Config, strategy: Strategy, run_dir: Path | None, *, rank: int,
-                 device: torch.device, is_main: bool, total_steps: int, ema: WeightAverage | None) -> None:
+                 device: torch.device, is_main: bool, total_steps: int, per_epoch: int,
+                 ema: WeightAverage | None) -> None:
         self.cfg, self.strategy, self.run_dir = cfg, strategy, run_dir
         self.rank, self.device, self.is_main = rank, device, is_main
-        self.total_steps, self.ema = total_steps, ema
+        self.total_steps, self.per_epoch, self.ema = total_steps, per_epoch, ema
         self.pending: PendingSave | None = None  # run.async_checkpoint: the checkpoint being written
         # DCP writes from a thread of its own: its collectives get a gloo group of their own
         self.async_group = dist.new_group(backend="gloo", timeout=default_timeout()) \
@@ -68,6 +71,7 @@ class CheckpointManager:
         restored = None
         if found is not None:
             step, saved_world, same_grid = found
+            self.refuse_finished(step)
             self.refuse_another_strategy(step)
             world = dist.get_world_size(group)
             resized = saved_world != world or not same_grid
@@ -88,6 +92,37 @@ class CheckpointManager:
             # an earlier attempt trained here
             record_resume(self.run_dir, 0 if restored is None else restored.step)
         return restored
+
+    def refuse_finished(self, step: int) -> None:
+        """One line, not "resuming from checkpoint step 110 of 46" and a run that trains nothing (and writes
+        its summary again), where the checkpoint of `step` leaves nothing to train: past this run's last
+        step (the config changed), or at it in a run that already reported there (summary.json). A run
+        stopped after its last checkpoint and before reporting goes on to report (collective)."""
+        total = self.total_steps
+        if step < total:
+            return
+        if step == total:
+            group = self.strategy.checkpoint_group
+            reported = None
+            if dist.get_rank(group) == 0 and self.run_dir is not None:
+                reported = str(reported_steps(self.run_dir))
+            if broadcast_text(reported, group) != str(step):
+                return
+        optim = self.cfg.optim
+        ends = f"optim.epochs={optim.epochs} of {self.per_epoch} steps" + \
+            (f", optim.max_steps={optim.max_steps}" if optim.max_steps is not None else "")
+        where = f"the checkpoint of step {step} in {self.run_dir} is past this run's last step, {total} " \
+            f"({ends})" if step > total else \
+            f"the run in {self.run_dir} finished at its last step, {total} ({ends})"
+        raises = []  # each limit that ends the run by the checkpoint's step, and how far to raise it
+        if optim.epochs * self.per_epoch <= step:
+            raises.append(("optim.epochs", step // self.per_epoch))
+        if optim.max_steps is not None and optim.max_steps <= step:
+            raises.append(("optim.max_steps", step))
+        raise UserError(f"nothing is left to train: {where}; to train on, raise "
+                        + " and ".join(f"{key} above {value}" for key, value in raises)
+                        + f" with --set: paraloom train --resume {self.run_dir} "
+                        + " ".join(f"--set {key}=..." for key, _ in raises))
 
     def refuse_another_strategy(self, step: int) -> None:
         """One line, not a missing key deep in the load, when a kind of parallelism this strategy cannot
@@ -192,3 +227,4 @@ class CheckpointManager:
         began, pending, self.pending = time.perf_counter(), self.pending, None
         pending.wait()
         return time.perf_counter() - began
+

@@ -1,4 +1,5 @@
-"""The record of restarts and redone steps: rank 0's last finished step, every resume's count, each resize."""
+"""The record of restarts and redone steps: rank 0's last finished step, every resume's count, each resize;
+the steps a finished run reported."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ def read_progress(run_dir: Path) -> tuple[int, float] | None:
         step, at = (run_dir / PROGRESS).read_text().split()[:2]
         return int(step), float(at)
     except (OSError, ValueError):
+        return None
+
+
+def reported_steps(run_dir: Path) -> int | None:
+    """The steps the run in `run_dir` reported having done (its summary.json, written as it ends), or None."""
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -195,13 +195,18 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def candidates(run_dir: Path) -> list[Path]:
+    """The sealed checkpoint folders of `run_dir` (`step-<digits>`: not a `.tmp` one), newest first,
+    whole or not."""
+    folder = run_dir / FOLDER
+    return sorted((p for p in folder.glob("step-*") if p.name.removeprefix("step-").isdigit()),
+                  key=_step_of, reverse=True) if folder.is_dir() else []
+
+
 def latest_valid(run_dir: Path, *, quiet: bool = False) -> Path | None:
     """The newest whole checkpoint of `run_dir`, warning about each damaged one passed over (unless
     `quiet`: a first look, before the resume that warns)."""
-    folder = run_dir / FOLDER
-    candidates = sorted((p for p in folder.glob("step-*") if not p.name.endswith(".tmp")),
-                        key=_step_of, reverse=True) if folder.is_dir() else []
-    for path in candidates:
+    for path in candidates(run_dir):
         problem = verify(path)
         if problem is not None:
             if not quiet:
