@@ -76,9 +76,12 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_ctrl_c_stops_every_process_with_one_line_and_resumes_exactly(plan, tmp_path):
-    straight = run(command(*SMALL, *PLANS[plan], "--set", f"run.out_dir={tmp_path}",
-                           "--set", "run.name=straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    """dp's resumed run is compared with an uninterrupted one bitwise; pp's and ps's resume exactly
+    from a checkpoint however their run stopped (tests/train/test_matrix.py), so here they finish."""
+    if plan == "dp":
+        straight = run(command(*SMALL, *PLANS[plan], "--set", f"run.out_dir={tmp_path}",
+                               "--set", "run.name=straight"))
+        assert straight.returncode == 0, straight.stderr[-3000:]
     proc = start(PLANS[plan], tmp_path, "cut")
     run_dir = tmp_path / "cut"
     wait_for_step(proc, run_dir, 14)
@@ -93,8 +96,10 @@ def test_ctrl_c_stops_every_process_with_one_line_and_resumes_exactly(plan, tmp_
     assert not list((run_dir / "checkpoints").glob("*.tmp"))  # ...nor half written
     done = run(command("--resume", str(run_dir)))
     assert done.returncode == 0, done.stderr[-3000:]
-    expected, got = params(tmp_path / "straight"), params(run_dir)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert json.loads((run_dir / "summary.json").read_text())["restarts"] == 1
+    if plan == "dp":
+        expected, got = params(tmp_path / "straight"), params(run_dir)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 @pytest.mark.timeout(300)
@@ -176,3 +181,37 @@ def test_the_first_rank_to_report_is_the_one_said(tmp_path):
     stopping.write_stop(path, "rank 0: second", 0)
     assert stopping.read_stop(path) == "rank 1: first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stop.json"]
+
+
+def _namespaces(prefix: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_ctrl_c_brings_an_emulated_cluster_down_and_a_killed_launchers_cluster_goes_next(tmp_path):
+    from paraloom.cli import main
+
+    emulate = ["--emulate", "2x1gbit", "--set", "optim.epochs=60"]
+    before = set(_namespaces("plm-"))
+    proc = start(emulate, tmp_path, "emu")
+    wait_for_step(proc, tmp_path / "emu", 12)
+    os.killpg(proc.pid, signal.SIGINT)
+    began = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - began < 5 and proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("paraloom: interrupted at step ")
+    assert "Traceback" not in err and "SignalException" not in err
+    assert not gone_within(5) and set(_namespaces("plm-")) == before
+    assert not list((tmp_path / "emu" / "checkpoints").glob("*.tmp"))
+
+    proc = start(emulate, tmp_path, "emu-killed")
+    wait_for_step(proc, tmp_path / "emu-killed", 3)
+    proc.kill()  # the launcher alone: its torchrun agents and their workers go with it...
+    proc.communicate()
+    assert not gone_within(5)
+    orphaned = sorted(set(_namespaces("plm-")) - before)
+    assert orphaned  # ...its cluster's namespaces stay, until the next command that finds them
+    assert main(["cluster", "down", "--stale"]) == 0
+    assert set(_namespaces("plm-")) == before

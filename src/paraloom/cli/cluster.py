@@ -32,16 +32,24 @@ def cluster_up(
 @cluster_app.command("down")
 def cluster_down(
     name: Annotated[str | None, typer.Option(help="cluster to remove (default: every cluster)")] = None,
+    stale: Annotated[bool, typer.Option(
+        "--stale", help="only the clusters whose command (`paraloom train --emulate`) was killed")] = False,
 ) -> None:
     """Stop everything running on an emulated cluster and remove its namespaces."""
     from paraloom.cluster import EmulatedCluster, list_clusters
+    from paraloom.cluster.emulated import orphaned_clusters
 
-    targets = [EmulatedCluster.attach(name)] if name else list(list_clusters().values())
+    if stale and name:
+        raise UserError("give --name or --stale, not both")
+    if stale:
+        targets = orphaned_clusters()
+    else:
+        targets = [EmulatedCluster.attach(name)] if name else list(list_clusters().values())
     for target in targets:
         target.down()
         print(f"down: {target.name}")
     if not targets:
-        print("no emulated cluster is up")
+        print("no orphaned emulated cluster" if stale else "no emulated cluster is up")
 
 
 @cluster_app.command("status")

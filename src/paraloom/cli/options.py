@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from paraloom.config.errors import UserError
 
@@ -13,6 +14,10 @@ def cluster_from_options(name: str | None, emulate: str | None, *, local_nodes: 
     either, `local_nodes` agents on this machine (run.nodes), if given."""
     if name and emulate:
         raise UserError("give --cluster or --emulate, not both")
+    if name or emulate:  # clusters a killed command left behind go before another one is used
+        from paraloom.cluster.emulated import remove_orphans
+
+        remove_orphans(say=lambda line: print(f"paraloom: {line}", file=sys.stderr))
     if emulate is None:
         if name is None and local_nodes is not None:
             from paraloom.cluster.local import LocalNodes

@@ -62,6 +62,45 @@ def list_clusters() -> dict[str, EmulatedCluster]:
             for name, nodes in sorted(found.items()) if nodes >= 2}
 
 
+def _owner_file(name: str) -> Path:
+    """Where a cluster brought up for one command (`with EmulatedCluster(...)`, `--emulate`) records
+    its owner: `PID START` (the process's start time, so that a reused PID is not taken for it)."""
+    return NETNS_ETC / f"{PREFIX}-{name}-owner" / "pid"
+
+
+def _started(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (/proc), or None where it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def orphaned_clusters() -> list[EmulatedCluster]:
+    """Clusters whose owning command is gone (killed outright: it never took them down). Clusters
+    of `paraloom cluster up` have no owner and are never orphaned."""
+    orphans = []
+    for name, cluster in list_clusters().items():
+        try:
+            pid, started = _owner_file(name).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _started(int(pid)) != started:
+            orphans.append(cluster)
+    return orphans
+
+
+def remove_orphans(say=None) -> list[str]:
+    """Take every orphaned cluster down (their namespaces and whatever still runs in them)."""
+    names = []
+    for cluster in orphaned_clusters():
+        cluster.down()
+        names.append(cluster.name)
+        if say is not None:
+            say(f"removed emulated cluster {cluster.name}: the command that brought it up is gone")
+    return names
+
+
 def free_name(prefix: str) -> str:
     """`prefix` and the first number no cluster up now is called by: emu0, emu1, ..."""
     taken = list_clusters()
@@ -209,6 +248,9 @@ class EmulatedCluster:
         self.up()
         _active[self.name] = self
         _install_cleanup()
+        owner = _owner_file(self.name)
+        owner.parent.mkdir(parents=True, exist_ok=True)
+        owner.write_text(f"{os.getpid()} {_started(os.getpid())}")
         return self
 
     def __exit__(self, *exc: object) -> None:
