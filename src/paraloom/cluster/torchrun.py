@@ -68,6 +68,8 @@ def torchrun_on_cluster(cluster: EmulatedCluster | LocalNodes, module_args: list
         env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.interface, OMP_NUM_THREADS=str(threads),
                    PARALOOM_NODE=str(node), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                    **{STOP_FILE_ENV: str(stop_file)})
+        # a worker that ignores its agent's SIGTERM (stopped, stuck in C) is killed after 5 s, not 30
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")
         log = logs[node]
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
                                 start_new_session=True)

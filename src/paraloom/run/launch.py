@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import signal
@@ -24,6 +25,13 @@ from paraloom.config.errors import Interrupted, UserError, WorkersFailed
 from paraloom.run import prestart, worker
 from paraloom.train import stopping
 
+SHUTDOWN_TIMEOUT_S = 5
+
+
+def _takes(field: str) -> bool:
+    """Whether this torch's LaunchConfig has `field` (shutdown_timeout: not in every torch >= 2.4)."""
+    return field in {f.name for f in dataclasses.fields(LaunchConfig)}
+
 
 def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = "127.0.0.1",
                 max_restarts: int = 0, start_method: str = "spawn",
@@ -40,10 +48,14 @@ def elastic_run(fn: Callable[..., Any], args: tuple, *, nproc: int, host: str = 
     """
     if start_method == "forkserver":
         prestart.take()  # the server `paraloom train` started for this launch, or a new one
+    # a worker that ignores the agent's SIGTERM (stopped, or stuck in C) is killed after this many
+    # seconds, not torch's default 30 (its peers have given up on it by then)
+    stopping_after = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if _takes("shutdown_timeout") else {}
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=uuid.uuid4().hex, rdzv_backend="c10d", rdzv_endpoint=f"{host}:0",
-        local_addr=host, max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method)
+        local_addr=host, max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
+        **stopping_after)
     watching = (stopping.watch_stop_file(stop_file, stopping.signal_self) if stop_file is not None
                 else contextlib.nullcontext())
     try:
