@@ -215,3 +215,16 @@ def test_ctrl_c_brings_an_emulated_cluster_down_and_a_killed_launchers_cluster_g
     assert orphaned  # ...its cluster's namespaces stay, until the next command that finds them
     assert main(["cluster", "down", "--stale"]) == 0
     assert set(_namespaces("plm-")) == before
+
+
+def test_every_row_of_the_guides_fault_table_names_a_test_that_exists():
+    root = Path(__file__).resolve().parents[2]
+    guide = (root / "docs" / "guide" / "fault-tolerance.md").read_text()
+    table = guide.split("## What happens when", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()
+            if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 15 and rows[0][0].strip() == "fault"
+    for fault, _, code, test in rows[1:]:
+        path, name = test.strip().strip("`").split("::")
+        assert f"def {name}(" in (root / path).read_text(), (fault, test)
+        assert code.strip() in ("", "0", "1", "2", "130", "137", "143"), fault
