@@ -163,12 +163,13 @@ def test_what_a_restart_can_cure_is_told_from_what_it_cannot():
     from paraloom.config.errors import UserError
     from paraloom.train.guards import PeerFailure, TooManyBadSteps
 
-    curable = [PeerFailure("rank 1 stopped answering"), TooManyBadSteps("5 in a row"),
+    curable = [PeerFailure("rank 1 stopped answering"), TooManyBadSteps("5 in a row after good steps"),
                RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
                RuntimeError("Timed out waiting 30000ms for send operation to complete")]
     repeated = [UserError("data.seq_len=900 is longer than the corpus"), ValueError("bad shape"),
                 RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x17 and 16x4)"),
-                MemoryError(), OSError(28, "No space left on device")]
+                MemoryError(), OSError(28, "No space left on device"),
+                TooManyBadSteps("5 in a row, from the first", from_the_start=True)]
     assert not any(stopping.is_deterministic(exc) for exc in curable)
     assert all(stopping.is_deterministic(exc) for exc in repeated)
     assert "no space left on the device" in stopping.describe(OSError(28, "No space left on device"), 1)
@@ -228,3 +229,27 @@ def test_every_row_of_the_guides_fault_table_names_a_test_that_exists():
         path, name = test.strip().strip("`").split("::")
         assert f"def {name}(" in (root / path).read_text(), (fault, test)
         assert code.strip() in ("", "0", "1", "2", "130", "137", "143"), fault
+
+
+@pytest.mark.timeout(300)
+def test_non_finite_steps_from_the_first_stop_at_once_without_restarts(tmp_path):
+    done = run(command(*SMALL, "--inject", "nan:rank=0,step=1", "--set", "guard.max_bad_steps=1",
+                       "--set", "run.max_restarts=3", "--set", "optim.epochs=1",
+                       "--set", f"run.out_dir={tmp_path}", "--set", "run.name=nan"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "no step of this attempt was finite, so a restart would repeat it" in last
+    assert "Traceback" not in done.stderr
+    resumes = tmp_path / "nan" / "resumes.json"
+    assert not resumes.exists() or json.loads(resumes.read_text())["restarts"] == 0
+
+
+def test_a_stopped_runs_half_written_checkpoints_are_discarded_and_whole_ones_kept(tmp_path):
+    from paraloom.train.checkpoint.store import discard_staging, step_dir
+
+    whole, staged = step_dir(tmp_path, 10), step_dir(tmp_path, 20).with_name("step-00000020.tmp")
+    for folder in (whole, staged):
+        folder.mkdir(parents=True)
+        (folder / "__0_0.distcp").write_bytes(b"\0" * 1024)
+    assert discard_staging(tmp_path) == ["step-00000020.tmp"]
+    assert whole.is_dir() and not staged.exists()

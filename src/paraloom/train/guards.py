@@ -20,7 +20,12 @@ class PeerFailure(RuntimeError):
 
 
 class TooManyBadSteps(RuntimeError):
-    """guard.max_bad_steps steps in a row had non-finite gradients."""
+    """guard.max_bad_steps steps in a row had non-finite gradients; `from_the_start`: every step this
+    process ran was one of them, so a restart from the same checkpoint would meet them again."""
+
+    def __init__(self, message: str, *, from_the_start: bool = False) -> None:
+        super().__init__(message)
+        self.from_the_start = from_the_start
 
 
 def is_comm_failure(exc: BaseException) -> bool:

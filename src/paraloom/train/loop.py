@@ -103,7 +103,7 @@ class Loop:
                                          "loss": None, "checkpoint_seconds": 0.0}
         self.epoch_accuracy: list[list[Any]] = []  # [training seconds, test accuracy] after each epoch
         self.ema_epoch_accuracy: list[list[Any]] = []  # the same for the weight average (optim.ema)
-        self.operation, self.bad_in_row = "start", 0
+        self.operation, self.bad_in_row, self.stepped_here = "start", 0, False
         self.train_peak = 0.0  # bytes a GPU held at most while training (note_peak)
         # optim.ema: built once the strategy has bound its tensors (the engine's flat buffers)
         self.ema = WeightAverage(strategy.model, cfg.optim.ema) if cfg.optim.ema is not None else None
@@ -237,7 +237,7 @@ class Loop:
     def guard(self, result: StepResult) -> None:
         """Count a skipped step; stop after guard.max_bad_steps in a row."""
         if result.stepped:
-            self.bad_in_row = 0
+            self.bad_in_row, self.stepped_here = 0, True
             return
         self.counters["skipped"] += 1
         if result.scaler_skip:  # fp16's loss scale backed off: expected now and then, not a bad step
@@ -250,7 +250,8 @@ class Loop:
             where = self.run_dir / "checkpoints" if self.run_dir else "nowhere (no run directory)"
             raise TooManyBadSteps(f"{self.bad_in_row} steps in a row (up to step {self.step}) had NaN or Inf "
                                   f"gradients; stopping (guard.max_bad_steps={limit}). The last good "
-                                  f"checkpoint is the newest in {where}")
+                                  f"checkpoint is the newest in {where}",
+                                  from_the_start=not self.stepped_here)
 
     def log(self, epoch: int, result: StepResult, global_count: int) -> None:
         """One metrics line (collective over the strategy's group: the loss, every rank's memory)."""

@@ -54,10 +54,13 @@ def quiet_on_interrupt() -> None:
 
 def is_deterministic(exc: BaseException) -> bool:
     """Whether a restart from the last checkpoint would meet `exc` again: everything but a collective
-    whose peer went away or timed out, and a run of non-finite steps (which a restart may outlive)."""
+    whose peer went away or timed out, and a run of non-finite steps that began after good ones (a
+    restart may outlive it; one that began with the run's first step would come again)."""
     from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure
 
-    if isinstance(exc, (PeerFailure, TooManyBadSteps, KeyboardInterrupt, SystemExit)):
+    if isinstance(exc, TooManyBadSteps):
+        return exc.from_the_start
+    if isinstance(exc, (PeerFailure, KeyboardInterrupt, SystemExit)):
         return False
     return isinstance(exc, Exception) and not is_comm_failure(exc)
 
@@ -66,6 +69,9 @@ def describe(exc: BaseException, rank: int) -> str:
     """The one line a deterministic mistake is reported with."""
     if isinstance(exc, UserError):
         return str(exc)
+    if type(exc).__name__ == "TooManyBadSteps":
+        return (f"rank {rank}: {exc}; no step of this attempt was finite, so a restart would repeat it: "
+                "check the data and the model for NaN or Inf (or lower optim.lr)")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         where = f" writing {exc.filename}" if exc.filename else ""
         return (f"rank {rank}: no space left on the device{where}; free some space (or point "
