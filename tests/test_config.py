@@ -204,3 +204,14 @@ def test_recompute_takes_its_three_modes_and_the_old_booleans():
         model("model.recompute=some")
     with pytest.raises(UserError, match="model.attention"):
         model("model.attention=flash")
+
+
+def test_a_resume_on_another_strategy_puts_the_settings_it_does_not_use_back_to_their_defaults():
+    from paraloom.config.sections import left_behind
+
+    pipeline = {"parallel": {"pp": 2, "microbatches": 4, "schedule": "gpipe"}}
+    assert left_behind(pipeline, ["parallel.pp=1"]) == ["parallel.microbatches=1", 'parallel.schedule="1f1b"']
+    assert left_behind(pipeline, ["parallel.pp=1", "parallel.microbatches=1"]) == ['parallel.schedule="1f1b"']
+    assert left_behind(pipeline, ["optim.epochs=3"]) == []  # the same strategy: nothing to put back
+    assert left_behind({"parallel": {"mode": "ps"}, "ps": {"consistency": "ssp"}},
+                       ["parallel.mode=dp"]) == ['ps.consistency="bsp"']

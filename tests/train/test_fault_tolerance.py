@@ -244,3 +244,16 @@ def test_soak_memory_stays_flat(tmp_path):
         if row["step"] > 200:
             for rank, (now, then) in enumerate(zip(row["rss_mb"], base, strict=True)):
                 assert now < then * 1.05, f"rank {rank} grew from {then} MB to {now} MB by step {row['step']}"
+
+
+def test_a_pipelines_checkpoint_resumes_as_data_parallel_with_one_setting_changed(tmp_path):
+    first = paraloom("--set", "parallel.pp=2", "--set", "parallel.microbatches=2",
+                     "--set", "optim.max_steps=20", out=tmp_path, name="pp")
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "paraloom", "train", "--resume", str(tmp_path / "pp"),
+                           "--set", "parallel.pp=1", "--set", "optim.max_steps=30"],
+                          capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PARALOOM_TEST_TAG=TAG))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming on another strategy: parallel.microbatches back to the default" in done.stderr
+    assert "resuming from checkpoint step 20 of 30" in done.stderr

@@ -61,15 +61,9 @@ def train(
             raise UserError("give a config file or --resume RUN_DIR, not both: "
                             "a resumed run keeps its config")
         config = _resumable(resume) / "config.yaml"
-    overrides = list(set_ or [])
-    if nproc is not None:
-        if nproc < 1:
-            raise UserError(f"--nproc {nproc} must be at least 1")
-        overrides.append(f"parallel.nproc={nproc}")
-    elif cluster or emulate:
-        overrides.append("parallel.nproc=1")
-    if trace:
-        overrides.append("run.trace=true")
+    overrides = _overrides(set_, nproc, on_nodes=bool(cluster or emulate), trace=trace)
+    if resume is not None:
+        overrides += _left_behind(config, overrides)
     cfg = load_config(config, overrides)
     if inject:
         import dataclasses
@@ -216,6 +210,34 @@ def _take_resumed(held: contextlib.ExitStack, run_dir: Path | None, cfg, overrid
     from paraloom.run.directory import resume_run
 
     return held.enter_context(resume_run(run_dir, cfg, overrides=overrides, inject=inject, restart=restart))
+
+
+def _overrides(set_: list[str] | None, nproc: int | None, *, on_nodes: bool, trace: bool) -> list[str]:
+    """The command's options as config overrides, after its `--set`s."""
+    overrides = list(set_ or [])
+    if nproc is not None:
+        if nproc < 1:
+            raise UserError(f"--nproc {nproc} must be at least 1")
+        overrides.append(f"parallel.nproc={nproc}")
+    elif on_nodes:
+        overrides.append("parallel.nproc=1")
+    if trace:
+        overrides.append("run.trace=true")
+    return overrides
+
+
+def _left_behind(recorded: Path, overrides: list[str]) -> list[str]:
+    """A resume on another strategy: its recorded settings the new one does not use go back to their
+    defaults (config/sections.py's `left_behind`), said in one line."""
+    from paraloom.config.sections import left_behind
+    from paraloom.config.yaml_io import read_yaml
+
+    reset = left_behind(read_yaml(recorded), overrides)
+    if reset:
+        keys = ", ".join(item.partition("=")[0] for item in reset)
+        Console(stderr=True).print(f"paraloom: resuming on another strategy: {keys} back to the default "
+                                   "(the new strategy does not use them)", highlight=False, soft_wrap=True)
+    return reset
 
 
 def _resumable(run_dir: Path) -> Path:

@@ -4,6 +4,7 @@ checks of a configuration against its number of workers (the dp x tp x pp grid a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import typing
@@ -440,3 +441,26 @@ def threads_per_worker(nproc: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+def left_behind(recorded: dict[str, Any], overrides: list[str]) -> list[str]:
+    """A resume whose overrides switch strategy (a pipeline's checkpoint trained on as dp, with
+    `--set parallel.pp=1`): the recorded settings the new strategy has no use for, as overrides that put
+    them back to their defaults (each `section.key=default`); none where the strategy stays. Without
+    them the new strategy would refuse settings the user never gave in this command."""
+    def strategy(raw: dict[str, Any]) -> str:
+        par = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
+        return rules.strategy_for(mode=par.get("mode", "dp"), tp=par.get("tp", 1), pp=par.get("pp", 1))
+
+    after = strategy(merge(recorded, parse_overrides(overrides)))
+    if strategy(recorded) == after:
+        return []
+    given = {item.partition("=")[0].strip() for item in overrides}
+    defaults = Config().to_dict()
+    reset = []
+    for key in choices.STRATEGY_ENTRIES[after].unused:
+        section, _, name = key.partition(".")
+        value = recorded.get(section, {}).get(name, defaults[section][name])
+        if key not in given and value != defaults[section][name]:
+            reset.append(f"{key}={json.dumps(defaults[section][name])}")
+    return reset
