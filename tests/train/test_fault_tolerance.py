@@ -218,6 +218,14 @@ def test_nan_step_is_skipped_and_a_run_of_them_stops_with_the_checkpoint_intact(
         skipped = pool.submit(paraloom, "--inject", "nan:rank=0,step=5", out=tmp_path, name="nan")
         stopped = pool.submit(paraloom, "--inject", "nan:rank=1,step=15", "--set", "guard.max_bad_steps=1",
                               "--set", "run.max_restarts=0", out=tmp_path, name="stop")
+        # a parameter-server worker that is not rank 0: its skip is its own, reported and counted
+        ps = pool.submit(paraloom, "--inject", "nan:rank=2,step=5", "--set", "parallel.mode=ps",
+                         "--nproc", "3", out=tmp_path, name="ps")
+    done = ps.result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 2: step 5 skipped: non-finite gradients" in done.stderr
+    summary = json.loads((tmp_path / "ps" / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1 and summary["pushes_dropped"] == 1
     done = skipped.result()
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "nan" / "summary.json").read_text())

@@ -243,7 +243,10 @@ class Loop:
         if result.scaler_skip:  # fp16's loss scale backed off: expected now and then, not a bad step
             return
         self.bad_in_row += 1
-        if self.is_main:
+        if self.strategy.skips_alone:  # its own, which no other rank reports
+            print(f"paraloom: warning: rank {self.rank}: step {self.step} skipped: non-finite gradients",
+                  file=sys.stderr)
+        elif self.is_main:
             print(f"paraloom: warning: step {self.step} skipped: non-finite gradients", file=sys.stderr)
         limit = self.cfg.guard.max_bad_steps
         if self.bad_in_row >= limit:
@@ -348,7 +351,9 @@ class Loop:
                                    if self.train_seconds > 0 else 0.0),  # of this process's part of the run
             "comm_bytes_per_step": counters["comm_bytes"] / max(step, 1),
             "comm_seconds_per_step": counters["comm_seconds"] / max(step, 1),
-            "skipped_steps": counters["skipped"], "checkpoint_seconds": counters["checkpoint_seconds"],
+            "skipped_steps": (int(sum(self.gather(counters["skipped"]))) if strategy.skips_alone
+                              else counters["skipped"]),  # every rank's own, or the steps all skipped
+            "checkpoint_seconds": counters["checkpoint_seconds"],
             "epoch_accuracy": epochs,
             "restarts": resumes["restarts"], "steps_redone": resumes["steps_redone"],
             "resizes": resumes["resizes"],

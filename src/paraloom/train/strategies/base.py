@@ -55,6 +55,7 @@ class Strategy(ABC):
     serves = False  # True on a rank that serves the others (a parameter server), taking no step
     peer_key = 0  # ranks of equal keys do the same work: their timings are compared (train/health.py)
     lockstep = True  # False: the ranks of `group` do not wait for each other every step (ASP, SSP)
+    skips_alone = False  # True: a rank's non-finite step is its own (a worker's push), not every rank's
 
     def begin(self) -> None:  # noqa: B027 (a default that does nothing, not a forgotten method)
         """After any resume, before the first step."""

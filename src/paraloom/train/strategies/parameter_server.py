@@ -68,6 +68,7 @@ class ParameterServerStrategy(Strategy):
             raise UserError(f"{world} processes cannot hold {self.n_servers} servers and a worker")
         self.serves = rank >= self.n_workers
         self.lockstep = cfg.ps.consistency == "bsp"
+        self.skips_alone = True  # each worker's gradient is its own: the servers drop its push alone
         self.group = dist.new_group(list(range(self.n_workers)), timeout=default_timeout())  # the workers
         # checkpoints' barriers run beside the point-to-point traffic: on a group of their own
         self.checkpoint_group = dist.new_group(list(range(world)), timeout=default_timeout())
