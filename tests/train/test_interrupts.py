@@ -173,6 +173,10 @@ def test_what_a_restart_can_cure_is_told_from_what_it_cannot():
     assert not any(stopping.is_deterministic(exc) for exc in curable)
     assert all(stopping.is_deterministic(exc) for exc in repeated)
     assert "no space left on the device" in stopping.describe(OSError(28, "No space left on device"), 1)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = CheckpointException("write", {0: (OSError(28, "No space left on device"), None)})
+    assert stopping.is_deterministic(full) and "no space left" in stopping.describe(full, 0)
 
 
 def test_the_first_rank_to_report_is_the_one_said(tmp_path):
@@ -253,3 +257,23 @@ def test_a_stopped_runs_half_written_checkpoints_are_discarded_and_whole_ones_ke
         (folder / "__0_0.distcp").write_bytes(b"\0" * 1024)
     assert discard_staging(tmp_path) == ["step-00000020.tmp"]
     assert whole.is_dir() and not staged.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_stops_the_run_at_once_with_one_line_and_no_half_written_checkpoint(tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        done = run(command(*SMALL, "--set", "optim.epochs=2", "--set", "run.max_restarts=3",
+                           "--set", f"run.out_dir={disk}", "--set", "run.name=full"))
+        assert done.returncode == 2, done.stderr[-3000:]
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("paraloom: error: rank 0: no space left on the device")
+        assert "Traceback" not in done.stderr and "resuming" not in done.stderr  # no restart
+        assert not list((disk / "full" / "checkpoints").glob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PeerFailure, TooManyBadSteps) as exc:  # said in full: a traceback would add nothing
         print(f"paraloom: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr)
         return 1  # a failure the elastic agent restarts from the last checkpoint (run.max_restarts)
-    except Exception as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if not stopping.is_deterministic(exc):
             raise  # a collective whose peer went away: torchrun restarts the node
         # with `paraloom train` watching (an emulated cluster, local nodes) the run stops at once;

@@ -52,12 +52,28 @@ def quiet_on_interrupt() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The error a wrapper stands for: DCP's CheckpointException holds each rank's own (a full disk
+    while writing is an OSError inside it)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, BaseException):
+            return root_cause(inner)
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):  # (error, traceback)
+            return root_cause(inner[0])
+    return exc
+
+
 def is_deterministic(exc: BaseException) -> bool:
     """Whether a restart from the last checkpoint would meet `exc` again: everything but a collective
     whose peer went away or timed out, and a run of non-finite steps that began after good ones (a
     restart may outlive it; one that began with the run's first step would come again)."""
     from paraloom.train.guards import PeerFailure, TooManyBadSteps, is_comm_failure
 
+    exc = root_cause(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
     if isinstance(exc, TooManyBadSteps):
         return exc.from_the_start
     if isinstance(exc, (PeerFailure, KeyboardInterrupt, SystemExit)):
@@ -67,6 +83,7 @@ def is_deterministic(exc: BaseException) -> bool:
 
 def describe(exc: BaseException, rank: int) -> str:
     """The one line a deterministic mistake is reported with."""
+    exc = root_cause(exc)
     if isinstance(exc, UserError):
         return str(exc)
     if type(exc).__name__ == "TooManyBadSteps":
