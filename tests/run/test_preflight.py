@@ -5,6 +5,7 @@ a config alone cannot check; each must end in exit code 2 and one line that name
 what to do, with no traceback and no run directory (nothing was launched).
 """
 
+import hashlib
 import json
 
 import pytest
@@ -133,6 +134,18 @@ CASES = [  # (arguments after `paraloom train`, the line's expected fragment)
 ]
 
 
+@pytest.fixture
+def user_code(tmp_path, monkeypatch):
+    (tmp_path / "plm_pre.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+
+
+def _sets(argv: list[str]) -> list[str]:
+    """The values of an argument list of `--set` options, as load_config takes them."""
+    return argv[1::2]
+
+
 def _refused(argv, capsys, tmp_path):
     assert main(["train", *argv]) == 2
     out, err = capsys.readouterr()
@@ -144,10 +157,7 @@ def _refused(argv, capsys, tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "message"), CASES, ids=[m[:40] for _, m in CASES])
-def test_a_mistake_is_one_line_and_exit_2_before_any_worker(argv, message, capsys, tmp_path, monkeypatch):
-    (tmp_path / "plm_pre.py").write_text(USER_CODE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
+def test_a_mistake_is_one_line_and_exit_2_before_any_worker(argv, message, user_code, capsys, tmp_path):
     line = _refused(argv, capsys, tmp_path)
     assert message in line, line
 
@@ -157,7 +167,7 @@ def test_a_mistake_is_one_line_and_exit_2_before_any_worker(argv, message, capsy
 def test_a_resume_from_an_edited_manifest_names_the_file_and_field(field, value, capsys, tmp_path,
                                                                    monkeypatch):
     from paraloom.config import dump_config, load_config
-    from paraloom.train.checkpoint.store import MANIFEST, _sha256, step_dir
+    from paraloom.train.checkpoint.store import MANIFEST, step_dir
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "earlier"
@@ -165,9 +175,29 @@ def test_a_resume_from_an_edited_manifest_names_the_file_and_field(field, value,
     folder.mkdir(parents=True)
     dump_config(load_config(None, []), run / "config.yaml")
     (folder / "objects-rank0.pt").write_bytes(b"x")
-    files = {"objects-rank0.pt": {"sha256": _sha256(folder / "objects-rank0.pt"), "bytes": 1}}
+    files = {"objects-rank0.pt": {"sha256": hashlib.sha256(b"x").hexdigest(), "bytes": 1}}  # whole
     manifest = {"step": 30, "world_size": 2, "format": "dcp", "grid": None, "samples": 0,
                 "global_batch": 64, "dp_size": 2, field: value, "files": files}
     (folder / MANIFEST).write_text(json.dumps(manifest))
     line = _refused(["--resume", str(run)], capsys, tmp_path)
     assert f"checkpoint manifest {folder / MANIFEST}: {field}={value!r} must be" in line, line
+
+
+def test_factories_that_fit_pass_with_their_data(user_code):
+    from paraloom.config import load_config
+    from paraloom.run.preflight import preflight
+
+    data = preflight(load_config(None, _sets(OWN)), 2)
+    assert len(data.train) == 16
+
+
+def test_a_model_too_big_to_build_here_runs_its_batch_on_meta(user_code, capsys, tmp_path, monkeypatch):
+    """Above REAL_LIMIT parameters the model is not built for real: shapes still fail, on meta, and a
+    factory that loads weights only off meta is not called there."""
+    from paraloom.config import load_config
+    from paraloom.run.preflight import preflight
+
+    monkeypatch.setattr("paraloom.run.batch_check.REAL_LIMIT", 1)
+    line = _refused(own("data.options.width=17"), capsys, tmp_path)
+    assert "(input (2, 17) torch.float32) in its module '0' (Linear): RuntimeError:" in line, line
+    preflight(load_config(None, _sets(own("model.name=plm_pre:make_pretrained"))), 2)
