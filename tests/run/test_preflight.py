@@ -68,6 +68,21 @@ def make_pretrained(path="weights.pt"):
     return model
 
 
+class CudaOnly(nn.Module):
+    """Calls an operation this CPU has no kernel for (as a CUDA extension's would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x):
+        raise NotImplementedError("Could not run 'ext::fused_op' with arguments from the 'CPU' backend")
+
+
+def make_cuda_only():
+    return CudaOnly()
+
+
 def make_own_loss():
     return OwnLoss()
 
@@ -201,3 +216,17 @@ def test_a_model_too_big_to_build_here_runs_its_batch_on_meta(user_code, capsys,
     line = _refused(own("data.options.width=17"), capsys, tmp_path)
     assert "(input (2, 17) torch.float32) in its module '0' (Linear): RuntimeError:" in line, line
     preflight(load_config(None, _sets(own("model.name=plm_pre:make_pretrained"))), 2)
+
+
+def test_an_operation_this_cpu_lacks_is_refused_only_where_the_workers_train_on_it(user_code, capsys,
+                                                                                   tmp_path):
+    from paraloom.config import load_config
+    from paraloom.data import load_data
+    from paraloom.models.make import make_model
+    from paraloom.run.batch_check import check_batch
+
+    line = _refused(own("model.name=plm_pre:make_cuda_only"), capsys, tmp_path)
+    assert "in its forward: NotImplementedError: Could not run 'ext::fused_op'" in line, line
+    cfg = load_config(None, _sets(own("model.name=plm_pre:make_cuda_only")))
+    data = load_data(cfg)
+    check_batch(cfg, data, make_model(cfg, data), on_gpus=True)  # the GPUs may have the kernel

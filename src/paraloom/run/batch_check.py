@@ -31,9 +31,10 @@ REAL_LIMIT = 200_000_000  # parameters: a larger model would cost the launcher i
 IGNORED = -100  # a target cross-entropy skips (F.cross_entropy's ignore_index): padding
 
 
-def check_batch(cfg: Config, data: DataSets, meta_model: nn.Module) -> None:
-    """Two samples of each set through the model `cfg` names (`meta_model`: it, built on meta)."""
-    probe = Probe(cfg)
+def check_batch(cfg: Config, data: DataSets, meta_model: nn.Module, *, on_gpus: bool = False) -> None:
+    """Two samples of each set through the model `cfg` names (`meta_model`: it, built on meta);
+    `on_gpus`: the workers train on GPUs, which may have kernels this CPU lacks."""
+    probe = Probe(cfg, on_gpus=on_gpus)
     real = sum(p.numel() for p in meta_model.parameters()) < REAL_LIMIT
     model = make_model(cfg, data) if real else meta_model  # a factory that raises off meta, here
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -44,6 +45,8 @@ def check_batch(cfg: Config, data: DataSets, meta_model: nn.Module) -> None:
         smoothing = cfg.optim.label_smoothing if training else 0.0  # of the training loss only
         with torch.set_grad_enabled(training):
             loss = probe.forward(model, x, y, data, role, smoothing=smoothing)
+        if loss is None:
+            return  # a kernel missing here: nothing more to learn on this CPU
         if training and real:
             try:
                 loss.backward()
@@ -57,14 +60,15 @@ class Probe:
     """A model and a data set under test: how the messages name them (`model.name=...`), and the
     forward pass whose failures those messages explain."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, on_gpus: bool = False) -> None:
         self.model, self.data = f"model.name={cfg.model.name}", f"data.name={cfg.data.name}"
-        self.precision = cfg.run.precision
+        self.precision, self.on_gpus = cfg.run.precision, on_gpus
 
     def forward(self, model: nn.Module, x: Any, y: Any, data: DataSets, role: str, *,
-                smoothing: float) -> torch.Tensor:
+                smoothing: float) -> torch.Tensor | None:
         """The loss of batch (x, y) as training computes it (in `run.precision` on a CPU); a
-        failure, or an output the loss cannot take, as one line."""
+        failure, or an output the loss cannot take, as one line. None for an operation this
+        device has no kernel for, where the workers' GPUs may have one."""
         watch = Watch(model)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         mixed = autocast(device, self.precision) if device.type == "cpu" else contextlib.nullcontext()
@@ -74,6 +78,8 @@ class Probe:
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 (the user's model and data: any error, one line)
+            if self.on_gpus and isinstance(exc, NotImplementedError):
+                return None  # a kernel this CPU lacks (a CUDA extension's op): the GPUs may have it
             raise UserError(self.explain(exc, model, watch, x, y, data, role)) from None
         finally:
             watch.remove()

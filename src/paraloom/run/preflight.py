@@ -50,7 +50,7 @@ def preflight(cfg: Config, world: int, *, resume: Path | None = None) -> DataSet
     if is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options:
         from paraloom.run.batch_check import check_batch  # the zoo on its own data needs no batch
 
-        check_batch(cfg, data, model)
+        check_batch(cfg, data, model, on_gpus=_on_gpus(cfg))
     if cfg.parallel.model_parallel:
         check_model_parallel(cfg, model, world)
     if cfg.run.inject is not None:
