@@ -78,15 +78,16 @@ def check_memory(cfg: Config, model: torch.nn.Module, world: int) -> None:
     params = list(model.parameters())
     count = sum(p.numel() for p in params)
     replica = sum(p.numel() * p.element_size() for p in params) * STATE_FACTOR
-    replicas = world if cfg.parallel.mode == "ps" else cfg.grid(world)[0]
+    replicas = cfg.grid(world)[0]  # the parameter server's workers each hold one too
     need, free = replica * replicas, available_memory()
     if need > free:
         dtype = params[0].dtype if params else torch.float32
+        fewer = ", or fewer replicas: fewer workers (--nproc) or workers sharing one (parallel.tp, " \
+            "parallel.pp)" if replicas > 1 and replica <= free else ""
         raise UserError(f"model.name={cfg.model.name} has {count:,} parameters ({dtype}): about "
                         f"{_gib(replica)} per replica with its gradients and optimizer state "
                         f"({STATE_FACTOR} x its bytes), {_gib(need)} for {replicas} replica(s), but this "
-                        f"machine has {_gib(free)} available: use a smaller model or fewer data-parallel "
-                        "workers")
+                        f"machine has {_gib(free)} available: use a smaller model{fewer}")
 
 
 def available_memory() -> int:
