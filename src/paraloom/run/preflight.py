@@ -9,7 +9,7 @@ or model options are in play, one real batch goes through it (run/batch_check.py
 plan is checked against the model, a pipeline against its pieces, the optimizer's name and options
 against torch.optim, injected faults against the run's steps, and the checkpoint a resume starts from.
 The training stack is imported only by the checks that need it: a default job's launcher imports
-torch (as it would to launch) and builds digits and the CNN on meta, some 0.1 s.
+torch earlier than it did to launch, and reads digits and builds the CNN on meta in some 40 ms.
 """
 
 from __future__ import annotations

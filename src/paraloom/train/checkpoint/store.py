@@ -205,8 +205,8 @@ def latest_valid(run_dir: Path, *, quiet: bool = False) -> Path | None:
     return None
 
 
-# a manifest's whole-number fields, each with its least value; step and world_size are always written
-COUNTS = {"step": 0, "world_size": 1, "samples": 0, "global_batch": 1, "dp_size": 1}
+# a manifest's whole-number fields and the least value of each; step and world_size are in every one
+WHOLE_FIELDS = {"step": 0, "world_size": 1, "samples": 0, "global_batch": 1, "dp_size": 1}
 
 
 def manifest_of(path: Path) -> dict[str, Any]:
@@ -221,18 +221,19 @@ def manifest_of(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def _bad_field(manifest: Any) -> str | None:
+    """What is wrong with a manifest's fields, or None (fields older manifests lack may be absent)."""
     if not isinstance(manifest, dict):
         return f"holds a JSON {type(manifest).__name__}, not an object"
-    for key, least in COUNTS.items():
-        if key not in manifest and key not in ("step", "world_size"):
-            continue  # saved before it was recorded
-        value = manifest.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            return f"{key}={value!r} must be a whole number of at least {least}"
+    for key, least in WHOLE_FIELDS.items():
+        if (key in manifest or key in ("step", "world_size")) and not _whole(manifest.get(key), least):
+            return f"{key}={manifest.get(key)!r} must be a whole number of at least {least}"
     grid = manifest.get("grid")
-    if grid is not None and not (isinstance(grid, list) and all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in grid)):
+    if grid is not None and not (isinstance(grid, list) and all(_whole(n, 1) for n in grid)):
         return f"grid={grid!r} must be a list of whole numbers of at least 1"
     if not isinstance(manifest.get("strategy", ""), str):
         return f"strategy={manifest['strategy']!r} must be a strategy's name"
