@@ -11,7 +11,8 @@ from typing import Any
 from paraloom.config.errors import UserError
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """`exc` in one line: its type and its message's first line."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
@@ -28,7 +29,7 @@ def import_factory(where: str, target: str, returns: str) -> Callable[..., Any]:
         raise UserError(f"{where}: cannot import {module_name!r} ({exc}); install it or add its "
                         "folder to PYTHONPATH") from None
     except Exception as exc:  # the user's module failed while importing: say how, in one line
-        raise UserError(f"{where}: importing {module_name!r} raised {_first_line(exc)}") from None
+        raise UserError(f"{where}: importing {module_name!r} raised {first_line(exc)}") from None
     for part in attr.split("."):
         if not hasattr(factory, part):
             raise UserError(f"{where}: {module_name!r} has no attribute {attr!r}; name a function "
@@ -70,4 +71,4 @@ def call_factory(key: str, target: str, options: Mapping[str, Any] | None = None
     except UserError as exc:  # raised inside the factory (a DataSets it built, say): say whose
         raise UserError(f"{where}: {exc}") from None
     except Exception as exc:  # the user's factory failed: say how, in one line
-        raise UserError(f"{where}: the factory raised {_first_line(exc)}") from None
+        raise UserError(f"{where}: the factory raised {first_line(exc)}") from None

@@ -30,6 +30,13 @@ def test_order_is_seeded_identical_across_instances_and_changes_by_epoch():
     assert torch.equal(ShardedBatches(5, 2, shuffle=False).order(4), torch.arange(5))
 
 
+def test_every_seed_the_config_takes_orders_the_data():
+    """run.seed goes up to 2**63-1 (config/sections.py); times the epoch stride it passes 2**64."""
+    top = ShardedBatches(50, 10, seed=2**63 - 1)
+    assert sorted(top.order(7).tolist()) == list(range(50))
+    assert not torch.equal(top.order(0), top.order(1))
+
+
 def test_full_batches_split_evenly():
     shard = ShardedBatches(64, 16, rank=1, world=4, shuffle=False)
     first, count = next(shard.epoch(0))

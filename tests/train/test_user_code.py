@@ -88,13 +88,25 @@ class TinyLM(nn.Module):
         return x
 
 
+class UnlistedLM(TinyLM):
+    """The same model listing no pieces: tensor parallelism alone needs only its plan."""
+
+    pipeline_pieces = None
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 TP_PLAN = {"embed.tok": "vocab", "blocks.*.attn.qkv": {"style": "colwise", "fused": 3, "heads": "n_heads"},
            "blocks.*.attn.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise",
            "head.logits": "colwise"}
 
 
-def make_model(layers=2):
-    return TinyLM(layers)
+def make_model(layers=2, listed=True):
+    return (TinyLM if listed else UnlistedLM)(layers)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -188,6 +200,7 @@ STRATEGIES = {  # name: (processes, settings)
     "pp2_1f1b": (2, ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"]),
     "pp2_gpipe": (2, ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=gpipe"]),
     "tp2": (2, ["parallel.tp=2"]),
+    "tp2_unlisted": (2, ["parallel.tp=2", "model.options.listed=false"]),
     "dp2_tp2": (4, ["parallel.tp=2"]),
     "dp2_pp2": (4, ["parallel.pp=2", "parallel.microbatches=2"]),
     "dp2_shard_optimizer": (2, ["comm.shard_optimizer=true"]),

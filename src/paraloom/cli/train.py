@@ -97,10 +97,9 @@ def train(
                          nodes.nodes if nodes else None)
         if cfg.run.nodes is not None and cfg.run.max_restarts < 1:
             raise UserError(f"run.nodes={cfg.run.nodes} goes on through restarts: give run.max_restarts >= 1")
-        if _needs_preflight(cfg):  # importing the training stack costs the launcher seconds
-            from paraloom.run.preflight import preflight
+        from paraloom.run.preflight import preflight  # torch, as launching would; the stack where needed
 
-            preflight(cfg, world)
+        preflight(cfg, world, resume=resume)
         emulated = nodes if hasattr(nodes, "spec") else None  # an emulated cluster, not local nodes
         profile = _calibrate_once(cfg, emulated)
         if forks and calibrates:
@@ -185,18 +184,6 @@ def _calibrates_first(cfg) -> bool:
     if cfg.run.hardware != "auto" or os.environ.get("PARALOOM_HARDWARE"):
         return False
     return not cached_path(threads_per_worker(cfg.parallel.nproc)).is_file()
-
-
-def _needs_preflight(cfg) -> bool:
-    """Whether anything the config alone cannot check is in play: a user's factory, model options,
-    model parallelism, injected faults, an optimizer other than the usual ones or its options, the
-    parameters exempt from weight decay (their names are the model's)."""
-    from paraloom.config.choices import OPTIMIZERS
-    from paraloom.config.rules import is_factory
-
-    return bool(is_factory(cfg.model.name) or is_factory(cfg.data.name) or cfg.model.options
-                or cfg.parallel.model_parallel or cfg.run.inject is not None
-                or cfg.optim.name.lower() not in OPTIMIZERS or cfg.optim.options or cfg.optim.no_decay)
 
 
 def _take_resumed(held: contextlib.ExitStack, run_dir: Path | None, cfg, overrides: list[str],

@@ -19,6 +19,11 @@ from paraloom.config.errors import UserError
 from paraloom.config.fault_specs import check_faults, parse_faults
 from paraloom.config.yaml_io import build_section, merge, parse_overrides, read_yaml
 
+SEED_MAX = 2**63 - 1
+# a collective's timeout: below a second a busy machine's ordinary step times out; above a week
+# nobody is waiting (and 1e300 s overflows the timedelta the process group takes)
+TIMEOUT_RANGE = (1.0, 7 * 86400.0)
+
 
 def _one_of(*names: str, default: str, factory: bool = False) -> Any:
     """A name out of `names`; with `factory`, also a user's `package.module:factory`."""
@@ -67,6 +72,8 @@ class RunConfig:
         _positive(self, "log_every")
         _positive(self, "trace_steps")
         _positive(self, "keep_checkpoints")
+        if not 0 <= self.seed <= SEED_MAX:  # torch.manual_seed's and numpy's range, both
+            raise UserError(f"run.seed={self.seed} must lie between 0 and 2**63-1 ({SEED_MAX})")
         if not self.contract_tolerance > 0:
             raise UserError(f"run.contract_tolerance={self.contract_tolerance} must be above 0 (0.25: 25% of "
                             "the predicted step)")
@@ -235,8 +242,9 @@ class CommConfig:
     interface: str | None = None  # network interface for gloo; None: loopback for local runs
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise UserError(f"comm.timeout_s={self.timeout_s} must be positive")
+        if not TIMEOUT_RANGE[0] <= self.timeout_s <= TIMEOUT_RANGE[1]:
+            raise UserError(f"comm.timeout_s={self.timeout_s} must lie between {TIMEOUT_RANGE[0]:g} s and "
+                            f"{TIMEOUT_RANGE[1]:g} s (7 days)")
         numeric = () if isinstance(self.bucket_mb, str) else (self.bucket_mb,)  # auto: rules.check_dp_options
         if min(self.first_bucket_mb, self.partition_mb, *numeric) <= 0:
             raise UserError("comm.bucket_mb, comm.first_bucket_mb and comm.partition_mb must be positive")

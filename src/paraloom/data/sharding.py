@@ -31,7 +31,7 @@ class ShardedBatches:
     def order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.n_samples)
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**64)  # run.seed up to 2**63-1
         return torch.randperm(self.n_samples, generator=gen)
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, int]]:

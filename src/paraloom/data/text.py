@@ -45,11 +45,11 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def windows(data: bytes, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(data: bytes, seq_len: int, role: str = "training") -> tuple[torch.Tensor, torch.Tensor]:
     n = (len(data) - 1) // seq_len
-    if n < 1:
-        raise UserError(f"the text corpus holds {len(data)} bytes, too few for one window of "
-                        f"data.seq_len={seq_len}: raise data.text_bytes")
+    if n < 1:  # a sample is seq_len bytes and the byte after them
+        raise UserError(f"the text corpus holds {len(data)} {role} bytes, too few for one sample of "
+                        f"data.seq_len={seq_len}: lower data.seq_len or raise data.text_bytes above it")
     flat = torch.frombuffer(bytearray(data[: n * seq_len + 1]), dtype=torch.uint8).long()
     x = flat[:-1].view(n, seq_len)
     y = flat[1:].view(n, seq_len)
@@ -81,7 +81,7 @@ def load_text(*, seq_len: int = 128, text_bytes: int = 1_000_000, test_fraction:
         parts[side].append(data)
         held[side] += len(data)
     x_train, y_train = windows(b"".join(parts["train"]), seq_len)
-    x_test, y_test = windows(b"".join(parts["test"]), seq_len)
+    x_test, y_test = windows(b"".join(parts["test"]), seq_len, "validation")
     return Split(x_train, y_train, x_test, y_test, n_classes=VOCAB)
 
 

@@ -62,13 +62,16 @@ def stage_module(model: nn.Sequential | Sequence[nn.Module], bounds: Bounds, sta
     return nn.Sequential(*list(model)[start:end])
 
 
-def model_pieces(model: nn.Module) -> list[nn.Module]:
+def model_pieces(model: nn.Module, *, whole: bool = False) -> list[nn.Module]:
     """The pieces a model runs in sequence: an `nn.Sequential`'s children, or what its
     `pipeline_pieces()` lists (each piece's output is the next one's input; together they hold
-    every parameter of the model)."""
+    every parameter of the model). `whole`: a model that lists none is one piece, for one stage
+    (tensor parallelism alone splits layers by its plan, not the model into a sequence)."""
     if isinstance(model, nn.Sequential):
         return list(model)
     listed = getattr(model, "pipeline_pieces", None)
+    if not callable(listed) and whole:
+        return [model]
     if not callable(listed):
         raise UserError(f"{type(model).__name__} is neither an nn.Sequential nor lists its pieces: pipeline "
                         "and layer parallelism need one of them (define pipeline_pieces() returning the "

@@ -104,7 +104,7 @@ def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer, parts: list[d
         raise UserError("a model-parallel checkpoint resumes under data parallelism with an optimizer of one "
                         "parameter group; with optim.no_decay, resume it on the grid it saved with")
     whole, whole_optim = whole_state(parts)
-    names = piece_names(model, model_pieces(model))
+    names = piece_names(model, model_pieces(model, whole=True))  # as the run that saved them cut it
     user = {_user_key(key, names): key for key in whole}
     model.load_state_dict({name: whole[key] for name, key in user.items()})
     keys = [name for name, _ in model.named_parameters()]

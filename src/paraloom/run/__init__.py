@@ -1,3 +1,3 @@
 """Launching a run: the launcher (torch's elastic agent on this machine), the worker entry point
-(`python -m paraloom.run.worker` under torchrun), the checks before launch (preflight, prestart) and
-the run directories."""
+(`python -m paraloom.run.worker` under torchrun), the checks before launch (preflight, batch_check,
+prestart) and the run directories."""

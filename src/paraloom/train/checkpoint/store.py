@@ -216,8 +216,42 @@ def latest_valid(run_dir: Path, *, quiet: bool = False) -> Path | None:
     return None
 
 
+# a manifest's whole-number fields and the least value of each; step and world_size are in every one
+WHOLE_FIELDS = {"step": 0, "world_size": 1, "samples": 0, "global_batch": 1, "dp_size": 1}
+
+
 def manifest_of(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST).read_text())
+    """The manifest of checkpoint folder `path` (after `verify`), its fields checked: one that was
+    damaged or edited is one line naming the file and the field, not a failure deep in a resume."""
+    file = path / MANIFEST
+    manifest = json.loads(file.read_text())
+    problem = _bad_field(manifest)
+    if problem is not None:
+        raise UserError(f"checkpoint manifest {file}: {problem}; the file is damaged or was edited: restore "
+                        f"it, or move {path.name} out of {path.parent} to resume from the checkpoint before")
+    return manifest
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _bad_field(manifest: Any) -> str | None:
+    """What is wrong with a manifest's fields, or None (fields older manifests lack may be absent)."""
+    if not isinstance(manifest, dict):
+        return f"holds a JSON {type(manifest).__name__}, not an object"
+    for key, least in WHOLE_FIELDS.items():
+        if (key in manifest or key in ("step", "world_size")) and not _whole(manifest.get(key), least):
+            return f"{key}={manifest.get(key)!r} must be a whole number of at least {least}"
+    grid = manifest.get("grid")
+    if grid is not None and not (isinstance(grid, list) and all(_whole(n, 1) for n in grid)):
+        return f"grid={grid!r} must be a list of whole numbers of at least 1"
+    if not isinstance(manifest.get("strategy", ""), str):
+        return f"strategy={manifest['strategy']!r} must be a strategy's name"
+    saved_at = manifest.get("saved_at", 0.0)
+    if isinstance(saved_at, bool) or not isinstance(saved_at, int | float):
+        return f"saved_at={saved_at!r} must be a time in seconds"
+    return None
 
 
 def agree_on_checkpoint(run_dir: Path | None, group: dist.ProcessGroup | None = None,

@@ -116,7 +116,8 @@ class ModelParallelStrategy(EngineStrategy):
             raise UserError("tensor and pipeline parallelism compute the loss on the last stage; a data set "
                             "whose model returns its own loss (loss='model') trains under dp or ps only")
         full = make_model(cfg, data)
-        pieces = model_pieces(full)
+        whole = pp * self.v == 1  # one stage: a model that lists no pieces is one
+        pieces = model_pieces(full, whole=whole)
         if pp * self.v > len(pieces):
             raise UserError(f"{pp * self.v} pipeline stages (virtual ones included) exceed model.name="
                             f"{cfg.model.name}'s {len(pieces)} pieces; lower parallel.pp or use a deeper "
@@ -135,7 +136,7 @@ class ModelParallelStrategy(EngineStrategy):
                                 "(pattern -> colwise/rowwise/vocab/replicate) or give the model one")
             apply_tp_plan(full, plan, self.groups.tp_group)
             mark_no_decay(full, cfg.optim.no_decay)  # the split layers' parameters are new ones
-            pieces = model_pieces(full)  # a piece the plan replaced is its parallel layer now
+            pieces = model_pieces(full, whole=whole)  # a piece the plan replaced is its parallel layer now
         if self.v == 1:
             return stage_module(pieces, self.bounds, self.groups.pp_rank).to(device)
         return Chunks(stage_module(pieces, self.bounds, u) for u in self.virtual_stages()).to(device)
