@@ -22,8 +22,10 @@ VARIANTS = {
 }
 
 
-def _train(rank, world, model_name, opt_name, n, engine_kwargs, naive=False, classic=False):
-    """Train STEPS steps; `classic` uses `sync_gradients(); optimizer.step()` instead of `engine.step`."""
+def _train(rank, world, model_name, opt_name, n, engine_kwargs, naive=False, classic=False, between=False):
+    """Train STEPS steps; `classic` uses `sync_gradients(); optimizer.step()` instead of `engine.step`;
+    `between`: after each step, what Lightning does before validation (`zero_grad(set_to_none=True)`)
+    and an evaluation forward under `no_grad`, neither of which may change what is trained."""
     split, model, optimizer = setup(model_name, opt_name)
     engine = DataParallelNaive(model) if naive else DataParallel(model, **engine_kwargs)
     losses, grads, launched_in_backward = [], None, []
@@ -41,6 +43,12 @@ def _train(rank, world, model_name, opt_name, n, engine_kwargs, naive=False, cla
             optimizer.step()
         else:
             engine.step(optimizer)
+        if between:
+            model.zero_grad(set_to_none=True)
+            engine.eval()
+            with torch.no_grad():
+                engine(split.x_train[idx][:2])
+            engine.train()
         dist.all_reduce(loss_sum)
         losses.append(loss_sum.item() / count)
     engine.finish()
@@ -75,6 +83,15 @@ def test_equals_one_process(world, variant, opt_name, bucket_mb):
         assert set(launched) == {0}  # nothing launched before backward ends
     if world > 1 and variant == "wait_free" and bucket_mb == TINY:
         assert min(launched) >= 7  # all but the last bucket launched while backward ran
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_zero_grad_to_none_and_an_evaluation_between_steps_change_nothing(variant):
+    """Lightning zeroes gradients to None and evaluates between a step and the next forward; a
+    scheduler that defers updates (priority) still applies the step's update, from its buckets."""
+    kwargs = {"bucket_mb": TINY, "first_bucket_mb": TINY, **VARIANTS[variant](TINY)}
+    _check(run_workers(_train, 2, "mlp", "adam", 98, kwargs, between=True),
+           reference("mlp", "adam", 98, count=STEPS), grads=False)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -34,9 +34,11 @@ class PriorityUpdater(SyncUpdater):
         self.averaged: set[int] = set()  # piece keys waited for and averaged in this step
         self.forward_rank: dict[nn.Parameter, int] = {}  # order of first use in forward
         self.pieces_of: dict[nn.Parameter, list] = {}
+        self.slot_of: dict[nn.Parameter, tuple] = {}  # (bucket, slot): where its averaged gradient lands
         for bucket, pieces in zip(layout.buckets, layout.pieces, strict=True):
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            for slot, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
                 self.pieces_of[p] = [q for q in pieces if q.start < offset + p.numel() and q.stop > offset]
+                self.slot_of[p] = (bucket, slot)
         self.modules = [m for m in engine.module.modules()
                         if m is engine.module or any(True for _ in m.parameters(recurse=False))]
         # a module whose forward never runs (nn.MultiheadAttention reads out_proj.weight itself) has
@@ -81,6 +83,13 @@ class PriorityUpdater(SyncUpdater):
             if engine.world_size > 1:
                 pieces[key].grad.div_(engine.world_size)
             self.averaged.add(key)
+        for p in params:
+            # the step's averaged gradient is in the bucket whatever became of `.grad` since
+            # engine.step() (Lightning's zero_grad(set_to_none=True) before validating): the update that
+            # step committed to is applied from there
+            bucket, slot = self.slot_of[p]
+            if p.grad is not bucket.views[slot]:
+                p.grad = bucket.views[slot]
         with engine.stepping():
             step_some(self.optimizer, params, self.lrs)
         for p in params:
