@@ -122,3 +122,13 @@ def _early(rank, world):
 
 def test_throw_on_early_termination_stops_every_rank():
     assert run_workers(_early, 2, timeout=60) == ["raised", "raised"]
+
+
+def test_a_peer_that_died_is_named_as_such_not_as_uneven_inputs():
+    from paraloom.data_parallel.ddp_interface import sync_failure
+
+    died = sync_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer"))
+    assert died.startswith("the gradient all-reduce did not complete: a peer rank died")
+    assert "uneven" not in died and "Connection reset by peer" in died
+    waited = sync_failure(RuntimeError("Timed out waiting 30000ms for recv operation to complete"))
+    assert "inputs are uneven, train inside `with model.join():`" in waited

@@ -99,12 +99,7 @@ class DDPInterface:
         try:
             self.sync_gradients()
         except RuntimeError as exc:  # DDP without join() hangs here; say what most likely happened
-            raise RuntimeError(
-                "the gradient all-reduce did not complete: another rank stopped taking part. If the "
-                "ranks' inputs are uneven, train inside `with model.join():` or give every rank the "
-                "same number of batches (e.g. DistributedSampler(..., drop_last=True)); otherwise a "
-                "rank failed or hangs. "
-                f"The backend said: {exc}") from exc
+            raise RuntimeError(sync_failure(exc)) from exc
 
     @property
     def launched_in_backward(self) -> int:
@@ -147,3 +142,20 @@ class DDPInterface:
         instead of the engine's all-reduce (torch's default hooks and `paraloom.compress.ddp_hook`)."""
         check_hook(self, hook)
         self.comm_hook = (state, hook)
+
+
+PEER_GONE = ("connection reset", "connection closed", "connection refused", "broken pipe", "end of file")
+
+
+def sync_failure(exc: BaseException) -> str:
+    """What a failed end-of-backward all-reduce most likely means: a peer that died closes its
+    connections at once (the backend says so); one that waits past the timeout may have run out of
+    batches (uneven inputs) or hang."""
+    said = " ".join(str(exc).split())
+    if any(word in said.lower() for word in PEER_GONE):
+        return (f"the gradient all-reduce did not complete: a peer rank died (its connection closed). "
+                f"The backend said: {said}")
+    return ("the gradient all-reduce did not complete: another rank stopped taking part. If the ranks' "
+            "inputs are uneven, train inside `with model.join():` or give every rank the same number of "
+            "batches (e.g. DistributedSampler(..., drop_last=True)); otherwise a rank failed or hangs. "
+            f"The backend said: {said}")
