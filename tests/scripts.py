@@ -34,3 +34,16 @@ def run_command(cmd: list[str], *, timeout: float,
                              f"{out[-2000:]}\n{err[-6000:]}") from None
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{err[-6000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Processes whose environment carries `tag` (a test's PARALOOM_TEST_TAG: its launchers, agents,
+    forkservers and workers, which inherit it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if tag.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from scripts import tagged_processes
 
 from paraloom.config import load_config
 from paraloom.train.checkpoint.store import step_dir
@@ -42,15 +43,8 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def leftovers() -> list[int]:
-    """Processes still carrying this test's tag (workers, agents)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if TAG.encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
+    """Processes still carrying this test's tag."""
+    return tagged_processes(TAG)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripts import tagged_processes
 
 from paraloom.train import stopping
 from paraloom.train.checkpoint.records import read_progress
@@ -52,15 +53,8 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 
 
 def tagged() -> list[int]:
-    """Processes still carrying this test's tag (agents, forkservers, workers)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if TAG.encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                found.append(int(pid))
-        except OSError:
-            continue
-    return found
+    """Processes still carrying this test's tag."""
+    return tagged_processes(TAG)
 
 
 def gone_within(seconds: float) -> list[int]:
