@@ -83,10 +83,12 @@ def is_deterministic(exc: BaseException) -> bool:
 
 def describe(exc: BaseException, rank: int) -> str:
     """The one line a deterministic mistake is reported with."""
+    from paraloom.train.guards import TooManyBadSteps
+
     exc = root_cause(exc)
     if isinstance(exc, UserError):
         return str(exc)
-    if type(exc).__name__ == "TooManyBadSteps":
+    if isinstance(exc, TooManyBadSteps):
         return (f"rank {rank}: {exc}; no step of this attempt was finite, so a restart would repeat it: "
                 "check the data and the model for NaN or Inf (or lower optim.lr)")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
