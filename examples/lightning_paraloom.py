@@ -1,9 +1,13 @@
 """A Lightning script on paraloom's engine: 2 CPU processes, started by Lightning itself.
 
     python examples/lightning_paraloom.py
+
+With the legacy package (`import pytorch_lightning as pl`), take its classes by name:
+`from paraloom.integrations.lightning import for_package` and
+`ParaloomStrategy = for_package("pytorch_lightning").ParaloomStrategy`, or give `strategy="paraloom"`.
 """
 
-import pytorch_lightning as pl
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
