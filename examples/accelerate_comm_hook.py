@@ -6,9 +6,11 @@
 MODE powersgd (default), topk, fp16, ... (`paraloom.compress.hook_names()`): Accelerate wraps the
 model in torch's DDP as usual, and paraloom's compressor becomes that DDP's communication hook,
 registered before the first backward. MODE engine: paraloom's own wrapper instead of Accelerate's
-DDP (Accelerate has no option to swap the class): wrap the model yourself and let `prepare` see
-only the optimizer and the data. (`--multi_gpu` picks Accelerate's torchrun launcher; on CPU,
-`--cpu` alone starts one process unless MPI is set up. `Accelerator(cpu=True)` keeps it on gloo.)
+DDP (Accelerate has no option to swap the class): wrap the model yourself and prepare it with
+`paraloom.integrations.accelerate.prepare`, which Accelerate's `save_state`, `load_state`,
+`save_model` and `unwrap_model` then know as they know their DDP. (`--multi_gpu` picks Accelerate's
+torchrun launcher; on CPU, `--cpu` alone starts one process unless MPI is set up. Without GPUs,
+Accelerate counts the processes only with `Accelerator(cpu=True)`; it then runs on gloo.)
 """
 
 import sys
@@ -22,13 +24,14 @@ from torch.utils.data import DataLoader, TensorDataset
 import paraloom
 from paraloom.compress import ddp_hook
 from paraloom.data import load_dataset
+from paraloom.integrations.accelerate import prepare
 
 HOOK_OPTIONS = {"powersgd": {"rank": 2, "start_iter": 2}, "topk": {"density": 0.05}}
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "powersgd"
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
     split = load_dataset("digits")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, split.n_classes))
@@ -40,7 +43,7 @@ if __name__ == "__main__":
         model = model.to(accelerator.device)
         model = paraloom.DataParallel(model, scheduler="priority", compressor="powersgd")
         optimizer = paraloom.DistributedOptimizer(optimizer, model)  # the priority engine applies the step
-        optimizer, data = accelerator.prepare(optimizer, data)
+        model, optimizer, data = prepare(accelerator, model, optimizer, data)
     else:
         model, optimizer, data = accelerator.prepare(model, optimizer, data)
         state, hook = ddp_hook(mode, **HOOK_OPTIONS.get(mode, {}))
