@@ -12,6 +12,7 @@ from paraloom.tensor_parallel import (
     gather_from_region,
     reduce_from_region,
     reduce_scatter_from_region,
+    relayout,
     scatter_to_region,
 )
 
@@ -88,6 +89,13 @@ def _check_mappings(rank, world):
     y.backward(torch.full_like(y, rank + 1.0))
     assert_close(x.grad, (ranks + 1).repeat_interleave(length)[None, :, None].expand(2, 8, 3))
 
+    # from the last dimension to the sequence through a whole tensor, and back in backward
+    full = torch.arange(2.0 * 8 * 3 * world).reshape(2, 8, 3 * world)
+    x = full[..., rank * 3: (rank + 1) * 3].clone().requires_grad_()
+    y = relayout(x, "shard", "sequence", None)
+    assert_close(y, full[:, rank * length: (rank + 1) * length])
+    y.backward(torch.full_like(y, rank + 1.0))
+    assert_close(x.grad, (ranks + 1).repeat_interleave(length)[None, :, None].expand(2, 8, 3))
     return True
 
 
@@ -98,6 +106,6 @@ def test_mappings_match_hand_computation(world):
 
 def test_without_process_group_every_mapping_is_identity():
     x = torch.randn(3, 4)
-    for op in (copy_to_region, reduce_from_region, scatter_to_region, gather_from_region, all_gather_to_region,
-               reduce_scatter_from_region):
+    for op in (copy_to_region, reduce_from_region, scatter_to_region, gather_from_region,
+               all_gather_to_region, reduce_scatter_from_region):
         assert op(x) is x
