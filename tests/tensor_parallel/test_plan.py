@@ -271,7 +271,8 @@ def test_stage_slice_not_strict():
      r"^tp_plan entry 'head': desired_output belongs to a prepare entry; a colwise layer takes input and "
      r"output"),
     ({"norm": {"style": "sequence", "input": "sequence"}}, 2,
-     r"^tp_plan entry 'norm': a sequence module takes its input as it arrives and takes no input; "),
+     r"^tp_plan entry 'norm': input does not apply to a sequence module, which takes its input as it "
+     r"arrives; "),
     ({"blocks.*.attn": "prepare"}, 2,
      r"^tp_plan entry 'blocks\.\*\.attn': a prepare entry needs input and desired_input, or output and "
      r"desired_output$"),

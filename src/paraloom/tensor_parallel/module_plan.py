@@ -64,7 +64,8 @@ from paraloom.tensor_parallel.layouts import LAYOUTS, GradAllReduce, LayoutHooks
 from paraloom.tensor_parallel.mappings import group_rank, group_size
 
 STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence", "prepare")
-KEYS = ("style", "fused", "heads", "input", "output", "desired_input", "desired_output", "sequence_dim")
+LAYOUT_KEYS = ("input", "output", "desired_input", "desired_output", "sequence_dim")
+KEYS = ("style", "fused", "heads", *LAYOUT_KEYS)
 TYPES = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding}
 # a split layer's layouts: (the inputs it takes, the outputs it gives), its default first in each
 LAYER_LAYOUTS = {
@@ -177,10 +178,10 @@ def parse_style(pattern: str, value: Any) -> Style:
     elif style == "prepare":
         layouts = _prepared_layouts(where, value)
     else:
-        given = [key for key in KEYS[3:] if key in value]
+        given = [key for key in LAYOUT_KEYS if key in value]
         if given:
-            raise UserError(f"{where}: a {style} module takes its input as it arrives and takes no "
-                            f"{given[0]}; lay out the activations around it with the layers' input and "
+            raise UserError(f"{where}: {given[0]} does not apply to a {style} module, which takes its input "
+                            "as it arrives; lay out the activations around it with the layers' input and "
                             "output or a prepare entry")
         layouts = {}
     sequence_dim = value.get("sequence_dim", 1)
