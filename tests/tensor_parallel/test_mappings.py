@@ -1,11 +1,20 @@
-"""The f/g conjugate ops, forward and backward, against hand computation on 1, 2 and 4 ranks."""
+"""The f/g conjugate ops and sequence parallelism's g / g-bar, forward and backward, against hand
+computation on 1, 2 and 4 ranks."""
 
 import pytest
 import torch
 from distributed import run_workers
 from torch.testing import assert_close
 
-from paraloom.tensor_parallel import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from paraloom.tensor_parallel import (
+    all_gather_to_region,
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    reduce_scatter_from_region,
+    relayout,
+    scatter_to_region,
+)
 
 
 def _check_mappings(rank, world):
@@ -48,6 +57,45 @@ def _check_mappings(rank, world):
     x = base.clone().requires_grad_()
     (copy_to_region(x) + copy_to_region(x)).sum().backward()
     assert_close(x.grad, torch.full_like(base, 2.0 * world))
+
+    # along the sequence (dim 1 of (batch, seq, hidden)): scatter keeps this rank's positions,
+    # gather puts every rank's back in rank order; their backwards are each other's forwards
+    seq = torch.arange(2.0 * 8 * 3).reshape(2, 8, 3)
+    length = 8 // world
+    mine = seq[:, rank * length: (rank + 1) * length]
+    x = seq.clone().requires_grad_()
+    y = scatter_to_region(x, dim=1)
+    assert_close(y, mine)
+    y.backward(torch.full_like(y, rank + 1.0))
+    assert_close(x.grad, (ranks + 1).repeat_interleave(length)[None, :, None].expand(2, 8, 3))
+    x = mine.clone().requires_grad_()
+    y = gather_from_region(x, dim=1)
+    assert_close(y, seq)
+    y.backward(seq * 10)
+    assert_close(x.grad, mine * 10)
+
+    # g (Korthikanti et al. 2022): all-gather the sequence forward; backward sums the ranks' partial
+    # gradients and keeps this rank's positions
+    x = mine.clone().requires_grad_()
+    y = all_gather_to_region(x, dim=1)
+    assert_close(y, seq)
+    y.backward(seq * (rank + 1))
+    assert_close(x.grad, mine * float((ranks + 1).sum()))
+
+    # g-bar: sum the ranks' partial outputs keeping this rank's positions; backward all-gathers
+    x = (seq * (rank + 1)).requires_grad_()
+    y = reduce_scatter_from_region(x, dim=1)
+    assert_close(y, mine * float((ranks + 1).sum()))
+    y.backward(torch.full_like(y, rank + 1.0))
+    assert_close(x.grad, (ranks + 1).repeat_interleave(length)[None, :, None].expand(2, 8, 3))
+
+    # from the last dimension to the sequence through a whole tensor, and back in backward
+    full = torch.arange(2.0 * 8 * 3 * world).reshape(2, 8, 3 * world)
+    x = full[..., rank * 3: (rank + 1) * 3].clone().requires_grad_()
+    y = relayout(x, "shard", "sequence", None)
+    assert_close(y, full[:, rank * length: (rank + 1) * length])
+    y.backward(torch.full_like(y, rank + 1.0))
+    assert_close(x.grad, (ranks + 1).repeat_interleave(length)[None, :, None].expand(2, 8, 3))
     return True
 
 
@@ -58,5 +106,6 @@ def test_mappings_match_hand_computation(world):
 
 def test_without_process_group_every_mapping_is_identity():
     x = torch.randn(3, 4)
-    for op in (copy_to_region, reduce_from_region, scatter_to_region, gather_from_region):
+    for op in (copy_to_region, reduce_from_region, scatter_to_region, gather_from_region,
+               all_gather_to_region, reduce_scatter_from_region):
         assert op(x) is x

@@ -246,9 +246,10 @@ def test_stage_slice_not_strict():
     ({"blocks.*.attn.qkv": {"style": "colwise", "fused": 3}}, 64,
      r"^module 'blocks\.0\.attn\.qkv': tp=64 does not divide out_features/3=32; "),
     ({"head": "columnwise"}, 2, r"^tp_plan entry 'head': unknown style 'columnwise'; "
-                                r"choose one of colwise, rowwise, vocab, replicate$"),
+                                r"choose one of colwise, rowwise, vocab, replicate, sequence, prepare$"),
     ({"head": {"style": "colwise", "gather": True}}, 2,
-     r"^tp_plan entry 'head': unknown key 'gather'; the keys are style, fused, heads$"),
+     r"^tp_plan entry 'head': unknown key 'gather'; the keys are style, fused, heads, input, output, "
+     r"desired_input, desired_output, sequence_dim$"),
     ({"blocks.*.attn.proj": {"style": "rowwise", "heads": "n_heads"}}, 2,
      r"^tp_plan entry 'blocks\.\*\.attn\.proj': fused and heads describe a colwise layer's output"),
     ({"blocks.*.attn.qkv": {"style": "colwise", "heads": "n_head"}}, 2,
@@ -257,6 +258,38 @@ def test_stage_slice_not_strict():
     ({"blocks.*.attn.*": "colwise", "blocks.*.attn.proj": "rowwise"}, 2,
      r"^module 'blocks\.0\.attn\.proj' matches tp_plan entries 'blocks\.\*\.attn\.\*' \(colwise\) and "
      r"'blocks\.\*\.attn\.proj' \(rowwise\)"),
+    # layouts: which each layer takes and gives, a prepare entry's pairs, the sequence dimension
+    ({"head": {"style": "colwise", "input": "shard"}}, 2,
+     r"^tp_plan entry 'head': a colwise layer's input is replicate or sequence, not 'shard'$"),
+    ({"head": {"style": "rowwise", "output": "shard"}}, 2,
+     r"^tp_plan entry 'head': a rowwise layer's output is replicate or sequence, not 'shard'$"),
+    ({"emb": {"style": "vocab", "input": "sequence"}}, 2,
+     r"^tp_plan entry 'emb': a vocab layer's input is replicate, not 'sequence'$"),
+    ({"head": {"style": "colwise", "output": "columns"}}, 2,
+     r"^tp_plan entry 'head': output='columns' is not a layout; give one of replicate, shard, sequence$"),
+    ({"head": {"style": "colwise", "desired_output": "replicate"}}, 2,
+     r"^tp_plan entry 'head': desired_output belongs to a prepare entry; a colwise layer takes input and "
+     r"output"),
+    ({"norm": {"style": "sequence", "input": "sequence"}}, 2,
+     r"^tp_plan entry 'norm': input does not apply to a sequence module, which takes its input as it "
+     r"arrives; "),
+    ({"blocks.*.attn": "prepare"}, 2,
+     r"^tp_plan entry 'blocks\.\*\.attn': a prepare entry needs input and desired_input, or output and "
+     r"desired_output$"),
+    ({"blocks.*.attn": {"style": "prepare", "input": "sequence"}}, 2,
+     r"^tp_plan entry 'blocks\.\*\.attn': give input and desired_input together .*; desired_input is "
+     r"missing$"),
+    ({"blocks.*.attn": {"style": "prepare", "input": ["sequence", None],
+                        "desired_input": ["replicate", "shard"]}}, 2,
+     r"^tp_plan entry 'blocks\.\*\.attn': input=\['sequence', None\] and desired_input=\['replicate', "
+     r"'shard'\] must list the same inputs, null at the same places$"),
+    ({"blocks.*.attn": {"style": "prepare", "output": [], "desired_output": []}}, 2,
+     r"^tp_plan entry 'blocks\.\*\.attn': output=\[\] is not a layout; give one of replicate, shard, "
+     r"sequence or a list of them \(null: left alone\)$"),
+    ({"head": {"style": "colwise", "sequence_dim": 0}}, 2,
+     r"^tp_plan entry 'head': sequence_dim=0 applies to a sequence layout, and this entry has none$"),
+    ({"head": {"style": "colwise", "input": "sequence", "sequence_dim": True}}, 2,
+     r"^tp_plan entry 'head': sequence_dim=True must be an integer"),
 ])
 def test_bad_plans_refused_in_one_line_on_the_meta_device(plan, tp, message):
     with torch.device("meta"):

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+import yaml
 from distributed import run_workers
 from torch.testing import assert_close
 
@@ -17,6 +18,7 @@ from paraloom.config import load_config
 from paraloom.config.errors import UserError
 from paraloom.data import ShardedBatchSampler
 from paraloom.models import build_model
+from paraloom.models.gpt import SEQUENCE_TP_PLAN
 from paraloom.train import train
 
 BASE = ["model.name=gpt", "data.name=text", "data.seq_len=16", "data.text_bytes=20000",
@@ -85,6 +87,21 @@ def test_data_parallel_engine_options_sync_a_model_parallel_replica(comm):
     for summary in run_workers(_train, world, overrides + comm, timeout=60):
         assert_close(summary["final_loss"], reference["final_loss"], **tol)
         assert_close(summary["val_loss"], reference["val_loss"], **tol)
+
+
+def _train_sequence_parallel(rank, world, path):
+    cfg = load_config(path, BASE + ["parallel.tp=2"])
+    cfg.validate_world(world)
+    return train(cfg, None, device=torch.device("cpu"))
+
+
+def test_sequence_parallel_plan_from_a_config_trains_like_one_process(tmp_path):
+    path = tmp_path / "sequence.yaml"
+    path.write_text(yaml.safe_dump({"model": {"tp_plan": SEQUENCE_TP_PLAN}}))
+    reference = _summaries("1x1x1")[0]
+    for summary in run_workers(_train_sequence_parallel, 2, path, timeout=60):
+        assert_close(summary["final_loss"], reference["final_loss"], **TOL)
+        assert_close(summary["val_loss"], reference["val_loss"], **TOL)
 
 
 def test_summary_accounting():

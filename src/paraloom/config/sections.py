@@ -108,7 +108,7 @@ class ModelConfig:
     recompute: bool | str = _one_of("none", "selective", "full", default="none")
     attention: str = _one_of("sdpa", "math", default="sdpa")  # gpt: fused kernel, or T x T scores in memory
     options: dict[str, Any] = _options()  # keyword arguments of the model (zoo class or user factory)
-    tp_plan: dict[str, Any] | None = None  # module-name pattern -> colwise/rowwise/vocab/replicate (README)
+    tp_plan: dict[str, Any] | None = None  # module-name pattern -> style (docs/guide/model-parallel.md)
 
     def __post_init__(self) -> None:
         for key in ("hidden", "depth", "channels", "n_layers", "d_model", "n_heads"):

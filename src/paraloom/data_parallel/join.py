@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
-from paraloom.data_parallel.states import broadcast_coalesced, sync_buffers
+from paraloom.comm.collectives import broadcast_coalesced
+from paraloom.data_parallel.states import sync_buffers
 
 
 def check_joinable(engine) -> None:

@@ -6,20 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paraloom.comm.collectives import broadcast
-
-
-@torch.no_grad()
-def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, src: int = 0) -> None:
-    """Group rank `src`'s values into `tensors` on every rank: one broadcast per dtype and device."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for same in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        broadcast(flat, src_group_rank=src, group=group)
-        for tensor, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
-            tensor.copy_(part.view_as(tensor))
+from paraloom.comm.collectives import broadcast_coalesced
 
 
 @torch.no_grad()

@@ -10,8 +10,9 @@ Llama-2-7B's shape, 6,738,415,616 parameters.
 and pipeline stages are slices of it, and tensor parallelism rewrites the blocks in place.
 The attention's fused `qkv` projection has output rows laid out as (3, n_heads, head_dim):
 all query heads, then all key heads, then all value heads. No dropout: runs are deterministic.
-`TP_PLAN` (also `GPT.tp_plan`) says how tensor parallelism splits it; its patterns start with `*`
-so they match the whole GPT and any pipeline stage of it (an nn.Sequential of its pieces) alike.
+`TP_PLAN` (also `GPT.tp_plan`) says how tensor parallelism splits it, `SEQUENCE_TP_PLAN` the same with
+sequence parallelism (gpt style); their patterns start with `*` so they match the whole GPT and any
+pipeline stage of it (an nn.Sequential of its pieces) alike.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ TP_PLAN: dict[str, Any] = {
 }
 # Llama: the MLP's gate and up projections are stacked in one weight: each rank keeps its rows of both
 LLAMA_TP_PLAN: dict[str, Any] = {**TP_PLAN, "*.mlp.fc": {"style": "colwise", "fused": 2}}
+# TP_PLAN with sequence parallelism (Korthikanti et al. 2022, figure 5): between the blocks' column and row
+# layers every rank holds its share of the sequence, so the norms run on a share each and the all-reduces
+# become all-gathers (into qkv, fc and out) and reduce-scatters (out of the embedding, proj and proj);
+# the position embedding's (seq_len, d_model) output is cut to the rank's positions to meet the tokens'
+SEQUENCE_TP_PLAN: dict[str, Any] = {
+    "*.tok": {"style": "vocab", "output": "sequence"},
+    "*.pos": {"style": "prepare", "output": "replicate", "desired_output": "sequence", "sequence_dim": 0},
+    "*.ln*": "sequence",
+    "*.attn.qkv": {"style": "colwise", "fused": 3, "heads": "n_heads", "input": "sequence"},
+    "*.attn.proj": {"style": "rowwise", "output": "sequence"},
+    "*.mlp.fc": {"style": "colwise", "input": "sequence"},
+    "*.mlp.proj": {"style": "rowwise", "output": "sequence"},
+    "*.out": {"style": "colwise", "input": "sequence"},
+}
 STYLES = ("gpt", "llama")
 ATTENTIONS = ("sdpa", "math")  # model.attention
 RECOMPUTE = ("none", "selective", "full")  # model.recompute (true and false still read as full and none)
@@ -109,8 +124,9 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)  # under sequence parallelism x holds a share of the sequence, qkv all of it
+        b, t, _ = qkv.shape
+        q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.rotary:
             q, k = rotate(q), rotate(k)
         if self.selective and self.training and torch.is_grad_enabled():

@@ -138,8 +138,8 @@ def tp_plan_of(cfg: Config, model: torch.nn.Module):
     plan = cfg.model.tp_plan or getattr(model, "tp_plan", None)
     if not plan:
         raise UserError(f"parallel.tp={cfg.parallel.tp} needs a tensor-parallel plan: set model.tp_plan "
-                        "(module-name pattern -> colwise/rowwise/vocab/replicate) or give the model a "
-                        "tp_plan attribute")
+                        "(module-name pattern -> colwise/rowwise/vocab/replicate/sequence/prepare) or give "
+                        "the model a tp_plan attribute")
     return plan
 
 

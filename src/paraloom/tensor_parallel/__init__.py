@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron, Shoeybi et al. 2019): f/g mappings, parallel layers, tp plans."""
+"""Tensor parallelism (Megatron, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022):
+f/g mappings, parallel layers, activation layouts, tp plans."""
 
 from paraloom.tensor_parallel.apply import (
     apply_tensor_parallel,
@@ -15,18 +16,28 @@ from paraloom.tensor_parallel.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from paraloom.tensor_parallel.layouts import LAYOUTS, relayout
 from paraloom.tensor_parallel.mappings import (
+    all_gather_to_region,
     copy_to_region,
     gather_from_region,
     reduce_from_region,
+    reduce_scatter_from_region,
     scatter_to_region,
 )
-from paraloom.tensor_parallel.module_plan import apply_tp_plan, check_tp_plan, is_tp_sharded
+from paraloom.tensor_parallel.module_plan import (
+    apply_tp_plan,
+    check_tp_plan,
+    is_tp_sharded,
+    sync_weights_from_first,
+)
 
 __all__ = [
+    "LAYOUTS",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "all_gather_to_region",
     "apply_tensor_parallel",
     "apply_tp_plan",
     "check_tp_plan",
@@ -37,8 +48,11 @@ __all__ = [
     "load_full_state_dict",
     "param_bytes",
     "reduce_from_region",
+    "reduce_scatter_from_region",
+    "relayout",
     "scatter_to_region",
     "sharded_parameters",
+    "sync_weights_from_first",
     "tp_loss",
     "trace_tensor_parallel",
     "vocab_parallel_cross_entropy",

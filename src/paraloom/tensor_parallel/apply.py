@@ -20,6 +20,7 @@ from torch import nn
 
 from paraloom.models.gpt import TP_PLAN
 from paraloom.tensor_parallel.layers import PARALLEL_LAYERS, vocab_parallel_cross_entropy
+from paraloom.tensor_parallel.layouts import hooks_of
 from paraloom.tensor_parallel.mappings import group_size
 from paraloom.tensor_parallel.module_plan import apply_tp_plan, is_tp_sharded
 
@@ -31,19 +32,21 @@ def apply_tensor_parallel(module: nn.Module, tp_group: dist.ProcessGroup | None 
     """Rewrite in place every GPT Embedding, Block and Head in `module` to hold this rank's shard.
 
     Works on the whole GPT and on any slice of it (a pipeline stage): `apply_tp_plan` with the GPT's
-    `TP_PLAN`, not strict. Every rank of `tp_group` must start from the same full weights (build the
-    model with the same seed). Refuses a model split already. Returns `module`.
+    `TP_PLAN`, not strict; every rank takes the tp group's first rank's weights. Refuses a model split
+    already. Returns `module`.
     """
     return apply_tp_plan(module, getattr(module, "tp_plan", TP_PLAN), tp_group, strict=False)
 
 
 def trace_tensor_parallel(module: nn.Module, timeline: Timeline | None) -> int:
-    """Make every tensor-parallel layer in `module` record its collectives on `timeline` (lane "tp"),
-    forward and backward, while the timeline is active; None detaches. Returns how many layers."""
-    layers = [m for m in module.modules() if isinstance(m, PARALLEL_LAYERS)]
-    for layer in layers:
-        layer.timeline = timeline
-    return len(layers)
+    """Make every tensor-parallel layer in `module`, and every layout or sequence-parallel hook a tp plan
+    put on a module, record its collectives on `timeline` (lane "tp"), forward and backward, while the
+    timeline is active; None detaches. Returns how many layers and hooks."""
+    traced = [m for m in module.modules() if isinstance(m, PARALLEL_LAYERS)]
+    traced += [hook for m in module.modules() for hook in hooks_of(m)]
+    for item in traced:
+        item.timeline = timeline
+    return len(traced)
 
 
 def tp_loss(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None = None,

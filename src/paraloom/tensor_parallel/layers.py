@@ -7,6 +7,10 @@ built from a seeded full model computes exactly what the full model computes.
 Each layer's `timeline` (None; set by `trace_tensor_parallel`) is handed to the collectives it runs.
 A ColumnParallelLinear that does not gather marks its output as sharded on the last dimension
 (`SHARDED_MARK`; read by `plan.is_tp_sharded`), so vocabulary-sharded logits can be told apart.
+With `sequence_parallel` (Korthikanti et al. 2022) a layer meets activations sharded along the sequence
+dimension `sequence_dim` instead of replicated ones: a column-parallel layer all-gathers its input
+(backward: reduce-scatter), a row-parallel layer and the embedding reduce-scatter their output where they
+would all-reduce it (backward: all-gather).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from torch import nn
 
 from paraloom.config.errors import UserError
 from paraloom.tensor_parallel.mappings import (
+    all_gather_to_region,
     all_reduce,
     copy_to_region,
     gather_from_region,
     group_rank,
     group_size,
     reduce_from_region,
+    reduce_scatter_from_region,
     scatter_to_region,
     timed,
 )
@@ -81,16 +87,22 @@ def _index(selection: slice | torch.Tensor | list[int] | None, full: int, group:
     return index
 
 
+def _sequence_repr(layer: nn.Module) -> str:
+    return f", sequence_parallel=True, sequence_dim={layer.sequence_dim}" if layer.sequence_parallel else ""
+
+
 class ColumnParallelLinear(nn.Module):
-    """Y = XA + b with A's output features (rows of `weight`) split over ranks: replicated input,
-    parallel output, or the full output with `gather_output` (in rank order)."""
+    """Y = XA + b with A's output features (rows of `weight`) split over ranks: replicated input (or,
+    with `sequence_parallel`, sharded along `sequence_dim` and all-gathered here), parallel output, or
+    the full output with `gather_output` (in rank order)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group: Group = None,
                  gather_output: bool = False, rows: slice | torch.Tensor | None = None,
-                 device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, sequence_dim: int = 1, device=None, dtype=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # unsplit sizes
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.timeline: Timeline | None = None  # records this layer's collectives while active
         self.full_index = _index(rows, out_features, group, "out_features")
         self.sharded = {"weight": 0, "bias": 0}
@@ -107,11 +119,12 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group = None, *, rows: slice | torch.Tensor | None = None,
-                    gather_output: bool = False) -> ColumnParallelLinear:
+                    gather_output: bool = False, sequence_parallel: bool = False,
+                    sequence_dim: int = 1) -> ColumnParallelLinear:
         """This rank's rows of `linear` (`rows`: unsplit output indices; default its contiguous share)."""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                    gather_output=gather_output, rows=rows, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+                    gather_output=gather_output, rows=rows, sequence_parallel=sequence_parallel,
+                    sequence_dim=sequence_dim, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             index = layer.full_index.to(linear.weight.device)
             layer.weight.copy_(linear.weight.index_select(0, index))
@@ -122,7 +135,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output with `gather_output`; else this rank's features, marked as sharded on the
         last dimension (a later op returns an unmarked tensor: hand logits on as this layer gives them)."""
-        y = F.linear(copy_to_region(x, self.group, self.timeline), self.weight, self.bias)
+        if self.sequence_parallel:
+            x = all_gather_to_region(x, self.group, self.timeline, dim=self.sequence_dim)
+        else:
+            x = copy_to_region(x, self.group, self.timeline)
+        y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             return gather_from_region(y, self.group, self.timeline)
         setattr(y, SHARDED_MARK, True)
@@ -131,19 +148,21 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(local {self.weight.shape[0]}), bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}")
+                f"gather_output={self.gather_output}{_sequence_repr(self)}")
 
 
 class RowParallelLinear(nn.Module):
     """Y = XA + b with A's input features (columns of `weight`) split over ranks: parallel input
-    (or replicated, scattered here), outputs all-reduced, the replicated bias added once after."""
+    (or replicated, scattered here), outputs all-reduced (or, with `sequence_parallel`, reduce-scattered
+    along `sequence_dim`), the replicated bias added once after."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group: Group = None,
                  input_is_parallel: bool = True, cols: slice | torch.Tensor | None = None,
-                 device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, sequence_dim: int = 1, device=None, dtype=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features  # unsplit sizes
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.timeline: Timeline | None = None  # records this layer's collectives while active
         self.full_index = _index(cols, in_features, group, "in_features")
         self.sharded = {"weight": 1}
@@ -160,11 +179,12 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Group = None, *, cols: slice | torch.Tensor | None = None,
-                    input_is_parallel: bool = True) -> RowParallelLinear:
+                    input_is_parallel: bool = True, sequence_parallel: bool = False,
+                    sequence_dim: int = 1) -> RowParallelLinear:
         """This rank's columns of `linear` (`cols`: unsplit input indices; default its contiguous share)."""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                    input_is_parallel=input_is_parallel, cols=cols, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+                    input_is_parallel=input_is_parallel, cols=cols, sequence_parallel=sequence_parallel,
+                    sequence_dim=sequence_dim, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.index_select(1, layer.full_index.to(linear.weight.device)))
             if linear.bias is not None:
@@ -174,22 +194,29 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, self.timeline)
-        y = reduce_from_region(F.linear(x, self.weight), self.group, self.timeline)
-        return y if self.bias is None else y + self.bias
+        y = F.linear(x, self.weight)
+        if not self.sequence_parallel:
+            y = reduce_from_region(y, self.group, self.timeline)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_from_region(y, self.group, self.timeline, dim=self.sequence_dim)
+        # the bias meets this rank's share of the sequence only: its gradient is summed over the ranks
+        return y if self.bias is None else y + copy_to_region(self.bias, self.group, self.timeline)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
+                f"out_features={self.out_features}, bias={self.bias is not None}{_sequence_repr(self)}")
 
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding whose rows (the vocabulary) are split in contiguous ranges over ranks: ids outside
-    this rank's range look up zeros, and the all-reduce adds the one rank that owns each id."""
+    this rank's range look up zeros, and the all-reduce adds the one rank that owns each id (with
+    `sequence_parallel`, a reduce-scatter leaving each rank its share of `sequence_dim`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group = None,
-                 device=None, dtype=None) -> None:
+                 sequence_parallel: bool = False, sequence_dim: int = 1, device=None, dtype=None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.timeline: Timeline | None = None  # records this layer's collectives while active
         self.full_index = _index(None, num_embeddings, group, "vocab_size")
         self.vocab_start = int(self.full_index[0])
@@ -200,10 +227,12 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group: Group = None) -> VocabParallelEmbedding:
+    def from_embedding(cls, embedding: nn.Embedding, group: Group = None, *, sequence_parallel: bool = False,
+                       sequence_dim: int = 1) -> VocabParallelEmbedding:
         """This rank's vocabulary range of `embedding` (plain lookups only: no padding_idx or max_norm)."""
         check_plain_embedding(embedding)
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
+                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                     device=embedding.weight.device, dtype=embedding.weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(embedding.weight[layer.vocab_start: layer.vocab_end])
@@ -215,11 +244,13 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_from_region(out, self.group, self.timeline, dim=self.sequence_dim)
         return reduce_from_region(out, self.group, self.timeline)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "
-                f"vocab range [{self.vocab_start}, {self.vocab_end})")
+                f"vocab range [{self.vocab_start}, {self.vocab_end}){_sequence_repr(self)}")
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -11,13 +11,25 @@ A plan maps patterns over `module.named_modules()` names (dot-separated; each at
   output all-reduced, bias added once).
 - `"vocab"`: an nn.Embedding becomes a VocabParallelEmbedding (vocabulary split in ranges).
 - `"replicate"`: left whole; declares that its gradients come out equal on every tp rank.
+- `"sequence"`: left whole, but runs on each rank's share of the sequence (Korthikanti et al. 2022:
+  layer norms, dropout): its parameters' gradients are summed over the tp group.
 - `{"style": "colwise", "fused": k, "heads": "n_heads"}`: the weight stacks k projections (q, k, v)
   along out_features, laid out (k, n_heads, head_dim); each rank keeps its heads of every one.
   `heads` names an int attribute of the layer's parent holding the head count: tp must divide it,
   and it is divided by tp afterwards, so the attention computes its local heads. Without `heads`,
   each of the k stacked blocks is split evenly (for attention that derives its head count from
   its local width).
+- `{"style": ..., "input": layout, "output": layout}`: how a split layer's input arrives and how its
+  output leaves (torch's input_layouts / output_layouts), among `layouts.LAYOUTS`; `LAYER_LAYOUTS` lists
+  which each layer takes, its default first. `"sequence"` is the sequence dimension `sequence_dim` (1
+  unless the entry says).
+- `{"style": "prepare", "input": ..., "desired_input": ..., "output": ..., "desired_output": ...}`: a
+  module left as it is whose positional inputs (outputs) arrive in the first layouts and are handed on
+  in the desired ones (torch's PrepareModuleInput / PrepareModuleOutput): a layout or a list of them,
+  null leaving one alone.
 
+Every rank of the tp group first takes the group's first rank's parameters and buffers (one broadcast
+per dtype; `sync_weights=False` skips it), as `parallelize_module` distributes rank 0's tensors.
 Every size check runs before any module changes; `check_tp_plan` runs them alone, without a process
 group and without reading data (a model on the meta device will do), so a bad plan is refused
 before any worker starts. A model's output logits must be returned as its colwise output layer gives
@@ -36,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paraloom.comm.collectives import broadcast_coalesced
 from paraloom.config.errors import UserError
 from paraloom.tensor_parallel.layers import (
     PARALLEL_LAYERS,
@@ -47,21 +60,36 @@ from paraloom.tensor_parallel.layers import (
     check_plain_embedding,
     tp_choices,
 )
+from paraloom.tensor_parallel.layouts import LAYOUTS, GradAllReduce, LayoutHooks, hooks_of
 from paraloom.tensor_parallel.mappings import group_rank, group_size
 
-STYLES = ("colwise", "rowwise", "vocab", "replicate")
-KEYS = ("style", "fused", "heads")
+STYLES = ("colwise", "rowwise", "vocab", "replicate", "sequence", "prepare")
+LAYOUT_KEYS = ("input", "output", "desired_input", "desired_output", "sequence_dim")
+KEYS = ("style", "fused", "heads", *LAYOUT_KEYS)
 TYPES = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding}
-Plan = Mapping[str, Any]  # pattern -> style name or {"style": ..., "fused": k, "heads": "<attr>"}
+# a split layer's layouts: (the inputs it takes, the outputs it gives), its default first in each
+LAYER_LAYOUTS = {
+    "colwise": (("replicate", "sequence"), ("shard", "replicate")),
+    "rowwise": (("shard", "replicate"), ("replicate", "sequence")),
+    "vocab": (("replicate",), ("replicate", "sequence")),
+}
+Plan = Mapping[str, Any]  # pattern -> style name or {"style": ..., <KEYS>}
 
 
 @dataclass(frozen=True)
 class Style:
-    """One plan entry, parsed: how a matched module is split."""
+    """One plan entry, parsed: how a matched module is split and how its activations are laid out."""
 
     style: str
     fused: int = 1  # projections stacked along out_features (colwise only)
     heads: str | None = None  # the parent's attribute holding the head count (colwise only)
+    # layouts of the positional inputs as they arrive and of the outputs as they leave (one for a
+    # split layer); a prepare entry's desired ones are those its module is handed / hands on
+    input: tuple[str | None, ...] = ()
+    output: tuple[str | None, ...] = ()
+    desired_input: tuple[str | None, ...] = ()
+    desired_output: tuple[str | None, ...] = ()
+    sequence_dim: int = 1  # the dimension a "sequence" layout shards
 
 
 @dataclass
@@ -74,6 +102,54 @@ class _Target:
     module: nn.Module
     parent: nn.Module | None  # None: the root module itself
     attr: str
+
+
+def _layouts(where: str, key: str, value: Any, *, nulls: bool) -> tuple[str | None, ...]:
+    """A layout, or (with `nulls`) a list of layouts and nulls, as a tuple."""
+    items = list(value) if nulls and isinstance(value, (list, tuple)) else [value]
+    if not items or not all(item in LAYOUTS or (nulls and item is None) for item in items):
+        listed = " or a list of them (null: left alone)" if nulls else ""
+        raise UserError(f"{where}: {key}={value!r} is not a layout; give one of {', '.join(LAYOUTS)}{listed}")
+    return tuple(items)
+
+
+def _layer_layouts(where: str, style: str, value: Mapping) -> dict[str, tuple[str | None, ...]]:
+    """A split layer's input and output layouts, its defaults where the entry gives none."""
+    given = [key for key in ("desired_input", "desired_output") if key in value]
+    if given:
+        raise UserError(f"{where}: {given[0]} belongs to a prepare entry; a {style} layer takes input and "
+                        "output (the layouts its input arrives and its output leaves in)")
+    out = {}
+    for key, allowed in zip(("input", "output"), LAYER_LAYOUTS[style], strict=True):
+        layout = _layouts(where, key, value.get(key, allowed[0]), nulls=False)
+        if layout[0] not in allowed:
+            raise UserError(f"{where}: a {style} layer's {key} is {' or '.join(allowed)}, not {layout[0]!r}")
+        out[key] = layout
+    return out
+
+
+def _prepared_layouts(where: str, value: Mapping) -> dict[str, tuple[str | None, ...]]:
+    """A prepare entry's pairs (input, desired_input) and (output, desired_output), at least one."""
+    out: dict[str, tuple[str | None, ...]] = {}
+    for key in ("input", "output"):
+        wanted = f"desired_{key}"
+        if (key in value) != (wanted in value):
+            missing = wanted if key in value else key
+            raise UserError(f"{where}: give {key} and {wanted} together (the layouts it arrives in and is "
+                            f"handed on in); {missing} is missing")
+        if key not in value:
+            continue
+        have = _layouts(where, key, value[key], nulls=True)
+        want = _layouts(where, wanted, value[wanted], nulls=True)
+        nulls_differ = any((a is None) != (b is None) for a, b in zip(have, want, strict=False))
+        if len(have) != len(want) or nulls_differ:
+            raise UserError(f"{where}: {key}={list(have)} and {wanted}={list(want)} must list the same "
+                            f"{key}s, null at the same places")
+        out[key], out[wanted] = have, want
+    if not out:
+        raise UserError(f"{where}: a prepare entry needs input and desired_input, or output and "
+                        "desired_output")
+    return out
 
 
 def parse_style(pattern: str, value: Any) -> Style:
@@ -97,7 +173,25 @@ def parse_style(pattern: str, value: Any) -> Style:
     if style != "colwise" and (fused != 1 or heads is not None):
         raise UserError(f"{where}: fused and heads describe a colwise layer's output; drop them from "
                         f"this {style} entry")
-    return Style(style, fused, heads)
+    if style in LAYER_LAYOUTS:
+        layouts = _layer_layouts(where, style, value)
+    elif style == "prepare":
+        layouts = _prepared_layouts(where, value)
+    else:
+        given = [key for key in LAYOUT_KEYS if key in value]
+        if given:
+            raise UserError(f"{where}: {given[0]} does not apply to a {style} module, which takes its input "
+                            "as it arrives; lay out the activations around it with the layers' input and "
+                            "output or a prepare entry")
+        layouts = {}
+    sequence_dim = value.get("sequence_dim", 1)
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+        raise UserError(f"{where}: sequence_dim={sequence_dim!r} must be an integer (the dimension a "
+                        "sequence layout shards)")
+    if "sequence_dim" in value and not any("sequence" in layout for layout in layouts.values()):
+        raise UserError(f"{where}: sequence_dim={sequence_dim} applies to a sequence layout, and this entry "
+                        "has none")
+    return Style(style, fused, heads, sequence_dim=sequence_dim, **layouts)
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -138,10 +232,29 @@ def _resolve(module: nn.Module, plan: Plan, strict: bool) -> list[_Target]:
     return targets
 
 
+def _check_hooked(t: _Target, targets: list[_Target], shared: set[int]) -> None:
+    """A sequence or prepare module: not given its hooks already; a sequence one holds no split layer
+    and shares no parameter (its gradients are summed over the group: a shared one's would be too)."""
+    label = f"module {t.name or '(root)'!r}"
+    if hooks_of(t.module):
+        raise UserError(f"{label} has tensor-parallel hooks already: apply the tp plan once")
+    if t.style.style != "sequence":
+        return
+    prefix = t.name + "." if t.name else ""
+    inside = [u for u in targets if u.style.style in TYPES and u.name.startswith(prefix) and u is not t]
+    if inside:
+        raise UserError(f"{label} is sequence-parallel (whole, on a share of the sequence) but holds "
+                        f"{inside[0].name!r} ({inside[0].style.style}); mark its norms and dropouts "
+                        "sequence, not the module around them")
+    if any(id(p) in shared for p in t.module.parameters()):
+        raise UserError(f"a parameter of {label} is shared with another module; a sequence-parallel module "
+                        "sums its own gradients over the tp group: untie them")
+
+
 def _check_type(t: _Target, shared: set[int]) -> None:
     """The matched module is the kind its style splits, not split already, and owns its weight."""
     kind = TYPES.get(t.style.style)
-    if kind is None:  # replicate: anything goes
+    if kind is None:  # replicate, sequence, prepare: any module
         return
     label = f"module {t.name or '(root)'!r}"
     if isinstance(t.module, PARALLEL_LAYERS):
@@ -200,6 +313,8 @@ def _check(module: nn.Module, targets: list[_Target], tp: int) -> None:
     shared = {key for key, n in uses.items() if n > 1}
     for t in targets:
         _check_type(t, shared)
+        if t.style.style in ("sequence", "prepare"):
+            _check_hooked(t, targets, shared)
     sizes = [(order, t.name or "(root)", name, size)
              for t in targets for order, name, size in _split_sizes(t)]
     choices = tp_choices(*(size for *_, size in sizes))
@@ -223,31 +338,64 @@ def _fused_rows(out: int, fused: int, tp: int, rank: int) -> torch.Tensor:
 
 
 def _split(t: _Target, group: dist.ProcessGroup | None, tp: int, rank: int) -> nn.Module:
-    if t.style.style == "rowwise":
-        return RowParallelLinear.from_linear(t.module, group)
-    if t.style.style == "vocab":
-        return VocabParallelEmbedding.from_embedding(t.module, group)
-    rows = _fused_rows(t.module.out_features, t.style.fused, tp, rank) if t.style.fused > 1 else None
-    return ColumnParallelLinear.from_linear(t.module, group, rows=rows)
+    style, dim = t.style, t.style.sequence_dim
+    (given,), (gives,) = style.input, style.output
+    if style.style == "rowwise":
+        return RowParallelLinear.from_linear(t.module, group, input_is_parallel=given == "shard",
+                                             sequence_parallel=gives == "sequence", sequence_dim=dim)
+    if style.style == "vocab":
+        return VocabParallelEmbedding.from_embedding(t.module, group, sequence_parallel=gives == "sequence",
+                                                     sequence_dim=dim)
+    rows = _fused_rows(t.module.out_features, style.fused, tp, rank) if style.fused > 1 else None
+    return ColumnParallelLinear.from_linear(t.module, group, rows=rows, gather_output=gives == "replicate",
+                                            sequence_parallel=given == "sequence", sequence_dim=dim)
+
+
+def _hook(t: _Target, group: dist.ProcessGroup | None) -> None:
+    """Give a sequence module its gradient all-reduce, a prepare module its layout hooks."""
+    style = t.style
+    if style.style == "sequence":
+        GradAllReduce(group).attach(t.module)
+        return
+    pairs = {key: tuple(None if a is None else (a, b) for a, b in zip(have, want, strict=True))
+             for key, have, want in (("inputs", style.input, style.desired_input),
+                                     ("outputs", style.output, style.desired_output))}
+    LayoutHooks(t.name or "(root)", group, sequence_dim=style.sequence_dim, **pairs).attach(t.module)
+
+
+@torch.no_grad()
+def sync_weights_from_first(module: nn.Module, tp_group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of `tp_group` takes the group's first rank's parameters and buffers: one broadcast per
+    dtype and device (tensors on the meta device hold no values and are left alone)."""
+    if group_size(tp_group) == 1:
+        return
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    broadcast_coalesced([t for t in tensors if not t.is_meta], tp_group)
 
 
 def apply_tp_plan(module: nn.Module, plan: Plan, tp_group: dist.ProcessGroup | None = None, *,
-                  strict: bool = True) -> nn.Module:
+                  strict: bool = True, sync_weights: bool = True) -> nn.Module:
     """Rewrite in place every module `plan` matches to hold this rank's shard over `tp_group`.
 
-    Every rank of `tp_group` must start from the same full weights (build the model with the same
-    seed). With `strict` every pattern must match a module; a pipeline stage (a slice of the model)
-    passes `strict=False`. Everything is checked before anything changes. Returns `module` (the
-    new layer when the plan matches the root module itself).
+    With `sync_weights` every rank first takes the tp group's first rank's full parameters and buffers
+    (one broadcast per dtype), so ranks that built the model differently (no seed) still split one model;
+    without it every rank must start from the same full weights. With `strict` every pattern must match
+    a module; a pipeline stage (a slice of the model) passes `strict=False`. Everything is checked
+    before anything changes. Returns `module` (the new layer when the plan matches the root module itself).
     """
     tp, rank = group_size(tp_group), group_rank(tp_group)
     targets = _resolve(module, plan, strict)
     _check(module, targets, tp)
     if tp == 1:
         return module
+    if sync_weights:
+        sync_weights_from_first(module, tp_group)
     divided: set[tuple[int, str]] = set()
     for t in targets:
         if t.style.style == "replicate":
+            continue
+        if t.style.style in ("sequence", "prepare"):
+            _hook(t, tp_group)
             continue
         layer = _split(t, tp_group, tp, rank)
         if t.parent is None:

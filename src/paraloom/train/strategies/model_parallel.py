@@ -42,6 +42,7 @@ from paraloom.tensor_parallel import (
     is_tp_sharded,
     param_bytes,
     sharded_parameters,
+    sync_weights_from_first,
     tp_loss,
     trace_tensor_parallel,
 )
@@ -133,8 +134,13 @@ class ModelParallelStrategy(EngineStrategy):
             plan = cfg.model.tp_plan or getattr(full, "tp_plan", None)
             if not plan:
                 raise UserError(f"parallel.tp={tp} needs a tensor-parallel plan: set model.tp_plan "
-                                "(pattern -> colwise/rowwise/vocab/replicate) or give the model one")
-            apply_tp_plan(full, plan, self.groups.tp_group)
+                                "(pattern -> colwise/rowwise/vocab/replicate/sequence/prepare) or give the "
+                                "model one")
+            # every rank of the tp group takes its first rank's weights, of the pieces this rank keeps only
+            stages = self.virtual_stages() if self.v > 1 else [self.groups.pp_rank]
+            kept = [piece for u in stages for piece in pieces[self.bounds[u][0]:self.bounds[u][1]]]
+            sync_weights_from_first(nn.ModuleList(kept), self.groups.tp_group)
+            apply_tp_plan(full, plan, self.groups.tp_group, sync_weights=False)
             mark_no_decay(full, cfg.optim.no_decay)  # the split layers' parameters are new ones
             pieces = model_pieces(full, whole=whole)  # a piece the plan replaced is its parallel layer now
         if self.v == 1:
