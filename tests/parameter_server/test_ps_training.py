@@ -91,3 +91,13 @@ def test_compressed_pushes_train_as_well_and_send_fewer_bytes():
     dense = runs["none"]["push_bytes_per_step"]
     assert runs["fp16"]["push_bytes_per_step"] == pytest.approx(dense / 2, rel=0.02)
     assert runs["topk"]["push_bytes_per_step"] < dense / 40  # 8 bytes per kept element: ~1/50
+
+
+def test_asynchronous_workers_do_not_wait_for_a_straggler_to_log():
+    """ASP, a persistent 8x straggler, a metrics line every step: a fast worker finishes its steps in
+    well under the straggler's time (a collective in the metrics line held every worker to its pace)."""
+    cfg = _cfg("parallel.mode=ps", "ps.consistency=asp", "data.batch_size=64", "optim.max_steps=30",
+               "run.log_every=1", "run.inject=slow:rank=1,factor=8")
+    summaries = run_workers(_job, 4, cfg, True, timeout=180)  # 3 workers, 1 server
+    fast, slow = summaries[0]["train_seconds"], summaries[1]["train_seconds"]
+    assert fast < 0.5 * slow, (fast, slow)

@@ -257,10 +257,12 @@ class Loop:
                                   from_the_start=not self.stepped_here)
 
     def log(self, epoch: int, result: StepResult, global_count: int) -> None:
-        """One metrics line (collective over the strategy's group: the loss, every rank's memory)."""
+        """One metrics line (collective over the strategy's group where its ranks step in lockstep: the
+        loss, every rank's memory; asynchronous workers log their own, so that logging never makes them
+        wait for each other)."""
         strategy = self.strategy
         self.counters["loss"] = strategy.loss_value(result, global_count)
-        rss = self.gather(memory_mb()[0])
+        rss = self.gather(memory_mb()[0]) if strategy.lockstep else [memory_mb()[0]]
         comm_bytes, comm_seconds = self.take_comm()
         step, now = self.step, time.perf_counter()
         logged_step, logged_samples, logged_at = self.logged
