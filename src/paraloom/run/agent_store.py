@@ -7,8 +7,8 @@ restart. torch names the default group's keys alike in every attempt (under `def
 rank of a restarted attempt can read the address a rank of the failed one left there, and gloo
 connects to a dead port (`connectFullMesh ... Connection refused`) or waits on it until the group's
 timeout. One worker of PyTorch's DDP tutorial killed under `--max-restarts 1`: the restart failed in
-6 of 10 runs with torch's DDP and in 4 of 10 with paraloom's drop-in before this prefix, in none of
-10 after it (benchmarks/drop_in_restarts.py). torch's own `_create_c10d_store` once gave the agent's
+10 of 20 runs with torch's DDP, in 4 of 10 with paraloom's drop-in before this prefix and in none of
+20 after it (benchmarks/drop_in_restarts.py). torch's own `_create_c10d_store` once gave the agent's
 store a prefix per attempt (`/worker/attempt_N`, from TORCHELASTIC_RESTART_COUNT); `isolate_attempts`
 puts such a prefix back at that place, so a user's unchanged `init_process_group()` gets keys of its
 attempt's own. It touches nothing outside a torchrun worker, nor a store elsewhere than the agent's.
