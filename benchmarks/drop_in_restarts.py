@@ -67,9 +67,10 @@ def torchrun_command(script: Path, epochs: int) -> list[str]:
 
 
 def run_once(script: Path, where: Path, *, kill_rank: int | None, epochs: int = EPOCHS,
-             kill_after: int = KILL_AFTER, timeout: float = 120, seed: int = 0) -> dict:
+             kill_after: int = KILL_AFTER, timeout: float = 120, seed: int = 0, delay: float = 0.15) -> dict:
     """One torchrun of `script` in the fresh folder `where`, with `kill_rank`'s worker killed once
-    (None: uninterrupted). Returns exit code, seconds, whether it hung, what the workers printed."""
+    (None: uninterrupted), up to `delay` seconds (drawn from `seed`) after snapshot `kill_after`.
+    Returns exit code, seconds, whether it hung, the killed pid, what the workers printed."""
     where.mkdir(parents=True)
     tag = f"{os.getpid()}-{where.name}-{time.monotonic_ns()}"
     env = {**os.environ, "DROP_IN_RESTARTS_TAG": tag, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
@@ -91,7 +92,7 @@ def run_once(script: Path, where: Path, *, kill_rank: int | None, epochs: int = 
     reader.start()
     killed = None
     if kill_rank is not None and saved.wait(timeout):
-        time.sleep(random.Random(seed).uniform(0.0, 0.15))  # somewhere in the next epoch
+        time.sleep(random.Random(seed).uniform(0.0, delay))  # somewhere in the next epoch
         pid = _workers(tag).get(kill_rank)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
