@@ -22,6 +22,7 @@ import torch.distributed as dist
 from paraloom.config import CommConfig, Config, load_config
 from paraloom.config.choices import STRATEGY_ENTRIES
 from paraloom.config.errors import UserError
+from paraloom.run.agent_store import isolate_attempts
 from paraloom.run.directory import new_run_dir
 from paraloom.train import stopping
 from paraloom.train.guards import PeerFailure, TooManyBadSteps
@@ -70,20 +71,12 @@ def init_distributed(comm: CommConfig, device: torch.device, *, interface: str |
         # the loop's small control messages (run folder, health, checkpoint agreement) are host
         # tensors, which NCCL refuses: gloo carries those, NCCL every CUDA tensor
         backend = "cpu:gloo,cuda:nccl"
-    timeout = timedelta(seconds=comm.timeout_s)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    own_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False"
-    if attempt is None or "MASTER_ADDR" not in os.environ or own_store:
-        # outside an agent, or a store of this attempt's own (rank 0 starts one on a free port each
-        # rendezvous round: the cluster launcher asks for that, as the agents' restart counts may differ)
-        dist.init_process_group(backend, timeout=timeout)
-        return
     # The elastic agent's store outlives a restart, and the keys gloo's first attempt left there
     # (each rank's address) would send the new ranks to dead ports (seen: a 25-minute hang in
-    # connectFullMesh after a restart). Every attempt gets keys of its own.
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"paraloom/attempt-{attempt}/", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    # connectFullMesh after a restart): every attempt gets keys of its own (agent_store.py; importing
+    # paraloom did this already, as it does for a user's own script).
+    isolate_attempts()
+    dist.init_process_group(backend, timeout=timedelta(seconds=comm.timeout_s))
 
 
 def run(config: dict[str, Any], run_dir: str | None, started_at: float,
