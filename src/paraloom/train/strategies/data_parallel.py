@@ -61,7 +61,9 @@ class DataParallelStrategy(EngineStrategy):
         own_skip = recipe.after_step(stepped)
         if self.sparse is not None:
             self.sparse.after_step(step)
-        return StepResult(stepped, loss_sum, computed, own_skip, terms)
+        # backward returns once the gradients are averaged: its wait for the peers is not computing (a
+        # straggler's sleep is a multiple of it; with the wait in, a transient one's grew step by step)
+        return StepResult(stepped, loss_sum, terms["compute"] + terms["codec"], own_skip, terms)
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
         dist.all_reduce(result.loss, group=self.groups.dp_group)  # metric only, not counted
