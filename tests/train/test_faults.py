@@ -104,7 +104,8 @@ def test_a_transient_stragglers_sleep_does_not_grow_with_its_peers_waits():
     from paraloom.config import load_config
 
     cfg = load_config(None, ["model.name=mlp", "model.hidden=1024", "data.batch_size=256",
-                             "run.checkpoint_every=0", "optim.max_steps=30", "run.inject=slow:rank=random,factor=2"])
+                             "run.checkpoint_every=0", "optim.max_steps=30",
+                             "run.inject=slow:rank=random,factor=2"])
     for seen in run_workers(_computed_per_step, 2, cfg, timeout=120):
         steady = seen[5:]  # counted with the waits: max 4.9-6.1x the median; without: 1.5-1.8x
         assert max(steady) < 3 * statistics.median(steady), seen
