@@ -92,7 +92,7 @@ def test_the_guard_on_averaged_gradients_adds_no_collective(options):
 
 
 def test_the_local_flag_is_a_sum_check():
-    from paraloom.data_parallel.finite import not_finite
+    from paraloom.optim.finite import not_finite
 
     nan, inf = float("nan"), float("inf")
     cases = ([1.0, -2.0], [nan, 0.0], [inf, 1.0], [inf, -inf], [3e38, 3e38])
@@ -100,6 +100,15 @@ def test_the_local_flag_is_a_sum_check():
     assert flags == [False, True, True, True, True]  # the last: finite, but its sum leaves float32's range
     half = torch.full((100_000,), 60000.0, dtype=torch.float16)  # its fp16 sum overflows, float32's not
     assert not bool(not_finite(half))
+
+
+def test_the_exact_check_confirms_a_sum_that_left_the_range():
+    """A parameter server's push: dropped for a NaN or Inf, kept when only its sum overflowed."""
+    from paraloom.optim.finite import is_finite
+
+    nan, inf = float("nan"), float("inf")
+    cases = ([1.0, -2.0], [nan, 0.0], [inf, 1.0], [3e38, 3e38])
+    assert [is_finite(torch.tensor(v)) for v in cases] == [True, False, False, True]
 
 
 def _accumulated_nan(rank, world, bad_microbatch):

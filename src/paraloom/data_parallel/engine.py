@@ -33,13 +33,13 @@ from paraloom.data_parallel import ddp_args
 from paraloom.data_parallel.auto import CANDIDATES, START_BUCKET_MB, AutoScheduler
 from paraloom.data_parallel.bucket import Bucket, Piece
 from paraloom.data_parallel.ddp_interface import DDPInterface
-from paraloom.data_parallel.finite import all_finite, not_finite
 from paraloom.data_parallel.join import JoinRun
 from paraloom.data_parallel.layout import CommLayout, build_layout
 from paraloom.data_parallel.lowrank import PowerSGDReducer
 from paraloom.data_parallel.states import sync_states
 from paraloom.data_parallel.synchronous import DONE
 from paraloom.data_parallel.unused import UnusedParameters
+from paraloom.optim.finite import all_finite, not_finite
 
 MB = 2**20
 _D = ddp_args.DEFAULTS

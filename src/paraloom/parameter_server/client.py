@@ -34,6 +34,7 @@ from torch import nn
 
 from paraloom.compress.state import load_state_of, state_dict_of
 from paraloom.config.errors import UserError
+from paraloom.optim.finite import is_finite
 from paraloom.parameter_server.message import (
     DONE,
     NONFINITE,
@@ -218,7 +219,7 @@ class PSClient:
         lo, hi = self.bounds[i]
         grad = self.flat_grad[lo:hi]
         flags = PUSH | PULL | (SNAP if self._snap else 0)
-        if bool(torch.isfinite(grad).all()):
+        if is_finite(grad):
             self.codecs[i].encode(grad, i, self.requests[i])
         else:  # not encoded: a compressor could hide a NaN, or keep it in its error feedback
             flags |= NONFINITE

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paraloom.optim.finite import is_finite
 from paraloom.parameter_server.consistency import may_read
 from paraloom.parameter_server.message import (
     DONE,
@@ -177,9 +178,9 @@ class ParameterServer:
 
     def _push(self, src: int, flags: int, clock: int, version: int, message: Message) -> None:
         grad = None if flags & NONFINITE else self.codec.decode(message.body)
-        # one reduction over the decoded slice: a compressed push can also turn non-finite in
+        # one sum over the decoded slice: a compressed push can also turn non-finite in
         # decoding (an fp16 overflow), which the worker's own check before encoding cannot see
-        if grad is not None and not bool(torch.isfinite(grad).all()):
+        if grad is not None and not is_finite(grad):
             grad = None
         self.received[src] += 1
         if grad is None:

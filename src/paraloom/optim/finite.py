@@ -1,4 +1,5 @@
-"""The NaN/Inf guard's checks: a sum per tensor (NaN and Inf survive a sum), element-wise only to confirm."""
+"""The NaN/Inf guard's checks (the data-parallel engine's, the parameter server's pushes): a sum per
+tensor (NaN and Inf survive a sum), element-wise only to confirm."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ def not_finite(grad: torch.Tensor) -> torch.Tensor:
     1e38) is flagged too, a step that would wreck the model anyway. One read of the gradient,
     some 35 times cheaper on a CPU than the element-wise check."""
     return ~torch.isfinite(grad.sum(dtype=torch.float32))
+
+
+def is_finite(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` holds only finite values, exactly (a host read): its sum, and the element-wise
+    check only when the sum is not finite."""
+    return not bool(not_finite(tensor)) or bool(torch.isfinite(tensor).all())
 
 
 def all_finite(buffers: Sequence[torch.Tensor]) -> bool:
