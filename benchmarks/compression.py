@@ -1,6 +1,6 @@
 """Gradient compression on a communication-bound model: every compressor against torch DDP, same run.
 
-    python benchmarks/compression.py [--quick] [--loopback] --json OUT
+    python benchmarks/compression.py [--quick] [--loopback] [--rows 1gbit] [--variants A,B] --json OUT
 
 Model and recipe: a wide MLP on digits (3 hidden layers of 2048, 8.5M parameters, 34 MB of fp32
 gradients), momentum SGD (0.9) at lr 0.03 with a cosine decay to zero over 10 epochs, global
@@ -109,14 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 epochs, 7 variants: a smoke run")
     parser.add_argument("--loopback", action="store_true", help="4 workers on loopback (no root, no shaping)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"emulated rows to run (of {', '.join(ROWS)})")
+    parser.add_argument("--variants", help="only these variants (comma-separated; default: all), e.g. the "
+                        "judged ones for a confirmation run")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
+    rows_asked = args.rows.split(",")
+    unknown = [r for r in rows_asked if r not in ROWS] + [v for v in (args.variants or "").split(",")
+                                                         if v and v not in VARIANTS]
+    if unknown or "1gbit" not in rows_asked:
+        print(f"compression.py: unknown rows or variants {unknown}; rows: {', '.join(ROWS)} (1gbit always); "
+              f"variants: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
     size = {**MODEL, "target": TARGET, "epochs": EPOCHS, "variants": VARIANTS}
     if args.quick:
         size.update(QUICK)
+    if args.variants:
+        size["variants"] = tuple(v for v in size["variants"] if v in args.variants.split(","))
     console = Console(width=160)
     rows: dict[str, Any] = {}
-    for name, rate in {"loopback": None}.items() if args.loopback else ROWS.items():
+    chosen = {"loopback": None} if args.loopback else {name: ROWS[name] for name in rows_asked}
+    for name, rate in chosen.items():
         if rate is None:
             rows[name] = run(nproc=4, **size)
         else:
