@@ -117,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     rows_asked = args.rows.split(",")
     unknown = [r for r in rows_asked if r not in ROWS] + [v for v in (args.variants or "").split(",")
                                                          if v and v not in VARIANTS]
-    if unknown or "1gbit" not in rows_asked:
-        print(f"compression.py: unknown rows or variants {unknown}; rows: {', '.join(ROWS)} (1gbit always); "
-              f"variants: {', '.join(VARIANTS)}", file=sys.stderr)
+    if unknown:
+        print(f"compression.py: unknown rows or variants: {', '.join(unknown)} (rows: {', '.join(ROWS)}; "
+              f"variants: {', '.join(VARIANTS)})", file=sys.stderr)
+        return 2
+    if "1gbit" not in rows_asked:
+        print("compression.py: --rows must include 1gbit, the row the summary reads", file=sys.stderr)
         return 2
     size = {**MODEL, "target": TARGET, "epochs": EPOCHS, "variants": VARIANTS}
     if args.quick:

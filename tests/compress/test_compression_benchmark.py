@@ -1,9 +1,11 @@
 """benchmarks/compression.py --quick --loopback runs end to end and reports the issue's keys."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-from scripts import run_script
+from scripts import ROOT, run_script
 
 
 @pytest.mark.timeout(480)
@@ -21,3 +23,11 @@ def test_compression_benchmark_quick(tmp_path):
         assert len(out["curve"]) == 4, name  # two evaluations per epoch, two epochs
         assert out["curve"][-1][0] == out["steps"] and out["final_accuracy"] > 0.3, name  # chance is 0.1
     assert variants["ddp"]["codec_s_per_step"] == 0 and variants["qsgd"]["codec_s_per_step"] > 0
+
+
+@pytest.mark.parametrize("args", [("--variants", "ddp,nope"), ("--rows", "10gbit")])
+def test_compression_benchmark_refuses_unknown_rows_and_variants_in_one_line(tmp_path, args):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compression.py"), *args,
+                           "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "out.json").exists()
