@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
+from importlib import metadata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,5 +56,22 @@ def make_table(title: str, columns: Sequence[str], *, left: Sequence[str] = ()) 
 
 
 def write_json(path: str | Path, report: dict[str, Any], indent: int = 2) -> None:
-    """The report as indented JSON (rewritten whole each time: a partial run leaves what it has)."""
+    """The report as indented JSON (rewritten whole each time: a partial run leaves what it has), with
+    the machine it ran on under "machine" (figures of two CPUs do not compare)."""
+    report.setdefault("machine", machine())
     Path(path).write_text(json.dumps(report, indent=indent) + "\n")
+
+
+def machine() -> dict[str, Any]:
+    """What a result depends on beyond the code: the CPU's model and cores, torch's and Python's versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch_version, "python": platform.python_version()}
