@@ -7,8 +7,8 @@ import os
 import platform
 import subprocess
 import sys
-from importlib import metadata
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
