@@ -71,3 +71,6 @@ if __name__ == "__main__":
     accelerator.print(f"{mode}: {accelerator.num_processes} processes, {updates} updates, "
                       f"loss {sum(losses[:n]) / n:.3f} -> {sum(losses[-n:]) / n:.3f}, "
                       f"sent {sent} bytes (fp32 gradients: {fp32})")
+    # destroys the process group while the interpreter is whole: left to exit, gloo's threads can
+    # still hold work that the teardown aborts ("terminate called without an active exception")
+    accelerator.end_training()
