@@ -46,6 +46,7 @@ CASES = {  # name: (workers, settings, exact)
     "dp_local_sgd": (2, [*MLP, "comm.sync=local_sgd", "comm.local_steps=2"], True),
     "dp_shard_optimizer": (2, [*MLP, "comm.shard_optimizer=true"], True),
     "dp_topk": (2, [*MLP, "comm.compressor=topk", "comm.density=0.1"], True),
+    "dp_fully_sharded": (2, [*MLP, "parallel.shard=full", "parallel.shard_units=size:0.001"], True),
     "ps_bsp": (2, [*DIGITS, "parallel.mode=ps"], True),
     "ps_asp": (2, [*DIGITS, "parallel.mode=ps", "ps.consistency=asp"], False),
     "ps_ssp": (2, [*DIGITS, "parallel.mode=ps", "ps.consistency=ssp", "ps.staleness=1"], False),

@@ -53,8 +53,9 @@ def _resume_from(straight, step, out):
         ["comm.scheduler=fifo"],
         ["comm.algorithm=tree"],
         ["comm.shard_optimizer=true"],
+        ["parallel.shard=full", "parallel.shard_units=size:0.001"],  # each Linear a unit; DCP reshards
     ],
-    ids=["wait_free", "priority", "fifo", "tree", "shard_optimizer"],
+    ids=["wait_free", "priority", "fifo", "tree", "shard_optimizer", "fully_sharded"],
 )
 def test_dp4_checkpoint_goes_on_at_dp2_and_dp3_as_dp4_would(settings, tmp_path, capfd):
     straight = tmp_path / "dp4"

@@ -204,6 +204,8 @@ STRATEGIES = {  # name: (processes, settings)
     "dp2_tp2": (4, ["parallel.tp=2"]),
     "dp2_pp2": (4, ["parallel.pp=2", "parallel.microbatches=2"]),
     "dp2_shard_optimizer": (2, ["comm.shard_optimizer=true"]),
+    "dp2_full": (2, ["parallel.shard=full"]),  # units: the ModuleList's blocks
+    "dp4_hybrid": (4, ["parallel.shard=hybrid", "parallel.shard_group=2", "parallel.shard_units=Block,Head"]),
 }
 
 
@@ -229,11 +231,12 @@ def test_user_model_and_data_train_like_one_process(name, expected, tmp_path):
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("name", ["dp2_shard_optimizer", "tp2"])
+@pytest.mark.parametrize("name", ["dp2_shard_optimizer", "tp2", "dp2_full"])
 def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, tmp_path):
     """LAMB scales each tensor's update by a ratio of that whole tensor's norms: under the sharded
     optimizer a rank steps blocks of flat buffers that cut tensors apart, under tp a rank holds a
-    slice of each split tensor; either way the norms are summed over the ranks (optim/trust.py)."""
+    slice of each split tensor, fully sharded a row block of each; either way the norms are summed over
+    the ranks (optim/trust.py)."""
     losses, _, params = reference("lamb")
     world, overrides = STRATEGIES[name]
     plan = TP_PLAN if "parallel.tp=2" in overrides else None
@@ -245,7 +248,7 @@ def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, 
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2_1f1b", "ps_bsp_2workers"])
+@pytest.mark.parametrize("name", ["dp2", "tp2", "pp2_1f1b", "ps_bsp_2workers", "dp2_full"])
 def test_no_decay_groups_label_smoothing_and_ema_train_like_a_script(name, expected, tmp_path):
     """optim.no_decay="1d,embed.pos": every bias and norm scale and one 2-D parameter by name train
     without weight decay, as two parameter groups in a plain script do; under tensor parallelism the

@@ -21,20 +21,24 @@ DEVICES = ("auto", "cpu", "cuda")  # auto: cuda if available
 
 # ---- how the work is split: parallel.mode (the training strategy's family)
 PARALLEL_MODES = ("dp", "ps", "layers")  # data parallel (+ tp/pp hybrids), parameter server, layers
+# parallel.shard: what data parallelism splits across ranks, ZeRO-1/2/3 and FSDP's HYBRID_SHARD
+SHARD_LEVELS = ("none", "optimizer", "gradients", "full", "hybrid")
+FULLY_SHARDED = ("gradients", "full", "hybrid")  # the levels torch's fully_shard trains
+SHARD_REDUCE_DTYPES = ("fp32", "bf16")  # parallel.shard_reduce_dtype: gradients' reduce-scatter dtype
 
 
 class StrategyEntry(NamedTuple):
     """A strategy's registry entry: everything the config must know of it before any worker starts.
 
     module: the module of paraloom.train.strategies whose `@register_strategy` class implements it;
-    chosen_when(mode, tp, pp): whether a run's parallel.* settings ask for it (entries are asked in
+    chosen_when(mode, tp, pp, shard): whether a run's parallel.* settings ask for it (entries are asked in
     order, the first that says yes is the run's strategy); unused: the settings it has no use for
     (changing one from its default is refused before launch); why_unused: the reason that refusal gives;
     cpu_only: whether it runs on CPU (gloo) only, so that run.device=cuda is refused and auto means cpu.
     """
 
     module: str
-    chosen_when: Callable[[str, int, int], bool]
+    chosen_when: Callable[[str, int, int, str], bool]
     unused: tuple[str, ...]
     why_unused: str
     cpu_only: bool = False
@@ -45,20 +49,30 @@ _PS = ("ps.servers", "ps.consistency", "ps.staleness", "ps.overlap", "ps.partiti
 _ENGINE = ("comm.sync", "comm.shard_optimizer", "comm.engine", "comm.algorithm", "comm.scheduler",
            "comm.bucket_mb", "comm.first_bucket_mb", "comm.partition_mb", "comm.credit_mb",
            "comm.local_steps", "comm.local_warmup", "comm.delay_lr")
+_CODEC = ("comm.compressor", "comm.density", "comm.bits", "comm.lowrank")
+_SHARD = ("parallel.shard_units", "parallel.shard_group", "parallel.reshard_after_forward",
+          "parallel.shard_prefetch", "parallel.shard_reduce_dtype")
 # strategy name -> its entry; paraloom.train.strategies imports each entry's module
 STRATEGY_ENTRIES = {
     "parameter_server": StrategyEntry(
-        "parameter_server", lambda mode, tp, pp: mode == "ps",
-        (*_PIPELINE, *_ENGINE, "guard.nan"),  # servers always drop non-finite pushes
-        "workers push each shard to its server (ps.*), with no all-reduce engine, no pipeline, and "
-        "non-finite pushes always dropped", cpu_only=True),
+        "parameter_server", lambda mode, tp, pp, shard: mode == "ps",
+        (*_PIPELINE, *_ENGINE, "guard.nan", "parallel.shard", *_SHARD),  # servers drop non-finite pushes
+        "workers push each shard to its server (ps.*), with no all-reduce engine, no pipeline, no "
+        "parameter sharding, and non-finite pushes always dropped", cpu_only=True),
+    "fully_sharded": StrategyEntry(
+        "fully_sharded", lambda mode, tp, pp, shard: mode == "dp" and shard in FULLY_SHARDED,
+        (*_PIPELINE, *_PS, *_ENGINE, *_CODEC, "sparse.sparsity"),
+        "torch's fully_shard gathers and reduce-scatters its units: no engine scheduling, sync modes or "
+        "compression, no pipeline, no parameter servers and no pruning"),
     "model_parallel": StrategyEntry(
-        "model_parallel", lambda mode, tp, pp: mode == "layers" or tp > 1 or pp > 1,
-        (*_PS, "comm.engine"),  # the naive engine cannot hold back a micro-batch's sync
-        "it has no parameter servers, and its data-parallel sync needs the bucketed engine"),
+        "model_parallel", lambda mode, tp, pp, shard: mode == "layers" or tp > 1 or pp > 1,
+        (*_PS, "comm.engine", *_SHARD),  # the naive engine cannot hold back a micro-batch's sync
+        "it has no parameter servers, its data-parallel sync needs the bucketed engine, and it shards no "
+        "parameters"),
     "data_parallel": StrategyEntry(
-        "data_parallel", lambda mode, tp, pp: True,  # what every other run gets
-        (*_PIPELINE, *_PS), "it has no pipeline stages and no parameter servers"),
+        "data_parallel", lambda mode, tp, pp, shard: True,  # what every other run gets
+        (*_PIPELINE, *_PS, *_SHARD), "it has no pipeline stages and no parameter servers, and shards no "
+        "parameters (parallel.shard=full or hybrid does)"),
 }
 STRATEGIES = tuple(STRATEGY_ENTRIES)
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")

@@ -15,7 +15,9 @@ from paraloom.config.choices import (
     COMPRESSORS,
     DENSITY_COMPRESSORS,
     FIXED_SIZE_COMPRESSORS,
+    FULLY_SHARDED,
     PARALLEL_MODES,
+    SHARD_LEVELS,
     SHARDABLE_ALGORITHMS,
     STRATEGY_ENTRIES,
     SYNC_MODES,
@@ -105,10 +107,28 @@ def check_push_compressor(compressor: str) -> None:
                         f"choose none or one of: {', '.join(FIXED_SIZE_COMPRESSORS)}")
 
 
-def strategy_for(*, mode: str, tp: int, pp: int) -> str:
+def strategy_for(*, mode: str, tp: int, pp: int, shard: str = "none") -> str:
     """The training strategy a run's parallel settings ask for: the first registry entry
     (choices.STRATEGY_ENTRIES) whose `chosen_when` says yes, decided in this one place."""
-    return next(name for name, entry in STRATEGY_ENTRIES.items() if entry.chosen_when(mode, tp, pp))
+    return next(name for name, entry in STRATEGY_ENTRIES.items() if entry.chosen_when(mode, tp, pp, shard))
+
+
+def check_sharding(*, shard: str, mode: str, tp: int, pp: int, shard_group: int, shard_prefetch: int) -> None:
+    """parallel.shard against the rest of parallel.*: the levels and layouts that run."""
+    check_name("parallel.shard", shard, SHARD_LEVELS)
+    if shard in FULLY_SHARDED and mode != "dp":
+        raise UserError(f"parallel.shard={shard} shards data-parallel replicas; it takes parallel.mode=dp, "
+                        f"not {mode}")
+    if shard in FULLY_SHARDED and (tp > 1 or pp > 1):
+        raise UserError(f"parallel.shard={shard} does not compose with parallel.tp={tp} / parallel.pp={pp} "
+                        "so far; use parallel.shard=optimizer with tensor or pipeline parallelism, "
+                        "or tp=pp=1")
+    if shard_group < 0 or shard_prefetch < 0:
+        raise UserError("parallel.shard_group and parallel.shard_prefetch must not be negative "
+                        "(shard_group 0: the ranks of a node)")
+    if shard_group and shard != "hybrid":
+        raise UserError(f"parallel.shard_group={shard_group} sizes hybrid sharding's groups; it takes "
+                        f"parallel.shard=hybrid, not {shard}")
 
 
 def check_strategy_settings(strategy: str, changed: dict[str, object], *, device: str) -> None:

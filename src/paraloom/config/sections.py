@@ -204,10 +204,22 @@ class ParallelConfig:
     schedule: str = _one_of(*choices.PIPELINE_SCHEDULES, default="1f1b")  # pipeline schedule
     virtual_stages: int = 1  # interleaved_1f1b: model chunks per stage (v; the bubble shrinks v-fold)
     balance: str = _one_of(*choices.PIPELINE_BALANCE, default="params")  # pipeline stages balanced by
+    # what data parallelism splits across ranks: optimizer (ZeRO-1: its state; comm.shard_optimizer),
+    # gradients (ZeRO-2, FSDP SHARD_GRAD_OP), full (ZeRO-3, FSDP FULL_SHARD: parameters too), hybrid
+    # (full inside groups of parallel.shard_group ranks, replicated across them: FSDP HYBRID_SHARD)
+    shard: str = _one_of(*choices.SHARD_LEVELS, default="none")
+    shard_units: str = "auto"  # gathered at once: auto (blocks), size:MB, or module classes / name patterns
+    shard_group: int = 0  # hybrid: ranks that shard one copy of the model (0: a node's, parallel.nproc)
+    reshard_after_forward: bool = True  # full/hybrid: free a unit after forward, gather it again for backward
+    shard_prefetch: int = 1  # units whose all-gather is issued while the one before them computes
+    # bf16/fp16 runs: the dtype gradients are reduce-scattered in (parameters compute in run.precision)
+    shard_reduce_dtype: str = _one_of(*choices.SHARD_REDUCE_DTYPES, default="fp32")
 
     def __post_init__(self) -> None:
         for key in ("nproc", "tp", "pp", "microbatches", "virtual_stages"):
             _positive(self, key)
+        rules.check_sharding(shard=self.shard, mode=self.mode, tp=self.tp, pp=self.pp,
+                             shard_group=self.shard_group, shard_prefetch=self.shard_prefetch)
         rules.check_parallel_layout(mode=self.mode, tp=self.tp, pp=self.pp, microbatches=self.microbatches)
         rules.check_interleaving(schedule=self.schedule, virtual_stages=self.virtual_stages, pp=self.pp,
                                  microbatches=self.microbatches)
@@ -326,6 +338,14 @@ class Config:
     sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self) -> None:
+        # comm.shard_optimizer=true is parallel.shard=optimizer, written the older way: each sets the other
+        if self.parallel.shard == "optimizer" and not self.comm.shard_optimizer:
+            self.comm = dataclasses.replace(self.comm, shard_optimizer=True)  # validated again
+        elif self.comm.shard_optimizer and self.parallel.shard == "none":
+            self.parallel = dataclasses.replace(self.parallel, shard="optimizer")
+        elif self.comm.shard_optimizer and self.parallel.shard != "optimizer":
+            raise UserError(f"comm.shard_optimizer=true is parallel.shard=optimizer; parallel.shard="
+                            f"{self.parallel.shard} already shards the optimizer state: leave it off")
         if self.sparse.sparsity > 0:
             rules.check_sparse_training(mode=self.parallel.mode, model_parallel=self.parallel.model_parallel,
                                         compressor=self.comm.compressor, sync=self.comm.sync,
@@ -341,7 +361,8 @@ class Config:
     @property
     def strategy(self) -> str:
         """The training strategy these settings ask for (choices.STRATEGIES)."""
-        return rules.strategy_for(mode=self.parallel.mode, tp=self.parallel.tp, pp=self.parallel.pp)
+        return rules.strategy_for(mode=self.parallel.mode, tp=self.parallel.tp, pp=self.parallel.pp,
+                                  shard=self.parallel.shard)
 
     def changed(self) -> dict[str, Any]:
         """Every setting that differs from its default, by dotted key."""
@@ -458,7 +479,8 @@ def left_behind(recorded: dict[str, Any], overrides: list[str]) -> list[str]:
     them the new strategy would refuse settings the user never gave in this command."""
     def strategy(raw: dict[str, Any]) -> str:
         par = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
-        return rules.strategy_for(mode=par.get("mode", "dp"), tp=par.get("tp", 1), pp=par.get("pp", 1))
+        return rules.strategy_for(mode=par.get("mode", "dp"), tp=par.get("tp", 1), pp=par.get("pp", 1),
+                                  shard=par.get("shard", "none"))
 
     after = strategy(merge(recorded, parse_overrides(overrides)))
     if strategy(recorded) == after:

@@ -79,6 +79,8 @@ class MLMHead(nn.Module):
 class BERT(nn.Sequential):
     """`BERT((seq_len,), vocab_size, n_layers=, d_model=, n_heads=)`: (B, T) tokens -> (B, T, vocab)."""
 
+    shard_units = ("Layer",)  # parallel.shard's units; the tied embedding stays with the root
+
     def __init__(self, input_shape: tuple[int, ...], n_classes: int = 256, *, n_layers: int = 4,
                  d_model: int = 128, n_heads: int = 4, **_: object) -> None:
         if len(input_shape) != 1:

@@ -203,6 +203,7 @@ class GPT(nn.Sequential):
     logits (B, T, vocab)."""
 
     tp_plan: ClassVar[dict[str, Any]] = TP_PLAN
+    shard_units: ClassVar[tuple[str, ...]] = ("Block",)  # parallel.shard's units (data_parallel/)
 
     def __init__(self, input_shape: tuple[int, ...], n_classes: int = 256, *, n_layers: int = 4,
                  d_model: int = 128, n_heads: int = 4, recompute: bool | str = False, style: str = "gpt",

@@ -67,6 +67,7 @@ class ResNet(nn.Sequential):
     """`ResNet((C, H, W), n_classes, block=, layers=, width=)`: logits (B, n_classes)."""
 
     name = "resnet"
+    shard_units = ("BasicBlock", "Bottleneck")  # parallel.shard's units: the residual blocks
 
     def __init__(self, input_shape: tuple[int, ...], n_classes: int, *, block: type[nn.Module],
                  layers: tuple[int, ...], width: int = 64, **_: object) -> None:

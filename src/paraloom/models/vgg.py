@@ -22,6 +22,8 @@ WIDE_CLASSIFIER_MIN_SIZE = 64  # images at least this high and wide get the 4096
 class VGG16(nn.Sequential):
     """`VGG16((C, H, W), n_classes, width=, fc_width=, batch_norm=)`: logits (B, n_classes)."""
 
+    shard_units = ("Sequential",)  # parallel.shard's units: each convolution stage and classifier layer
+
     def __init__(self, input_shape: tuple[int, ...], n_classes: int, *, width: int = 64,
                  fc_width: int | None = None, batch_norm: bool = False, **_: object) -> None:
         if len(input_shape) != 3:

@@ -3,11 +3,11 @@
 Single-process `torch.nn.utils.clip_grad_norm_` computes the L2 norm of all gradients and scales
 them by `max_norm / (norm + 1e-6)` when that is below 1. Here the gradients a rank applies may be
 part of the model only: a block of a flat buffer (the sharded optimizer), a pipeline stage, a
-tensor-parallel shard. Each rank sums the squares of its part, the sums are all-reduced over the
-ranks that together hold the model once (`group`), and every rank scales its part by the same
-coefficient. A tensor that several ranks of `group` hold whole (a layer norm replicated across a
-tensor-parallel group) is counted by one of them only (`counted`). No host sync: the coefficient
-stays on the device.
+tensor-parallel shard, a fully sharded DTensor's local shard. Each rank sums the squares of its
+part, the sums are all-reduced over the ranks that together hold the model once (`group`), and
+every rank scales its part by the same coefficient. A tensor that several ranks of `group` hold
+whole (a layer norm replicated across a tensor-parallel group) is counted by one of them only
+(`counted`). No host sync: the coefficient stays on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 class GlobalNormClip:
@@ -33,9 +34,9 @@ class GlobalNormClip:
         params = [p for p in params if p.grad is not None]
         if not params:
             return
-        grads = [p.grad for p in params]
+        grads = [_local(p.grad) for p in params]
         group = group if group is not None else self.group
-        mine = [p.grad for p in params if self.counted(p)] if self.counted is not None else grads
+        mine = [_local(p.grad) for p in params if self.counted(p)] if self.counted is not None else grads
         sq = torch.stack(torch._foreach_norm(mine)).square().sum() if mine else grads[0].new_zeros(())
         sq = sq.to(torch.float32)
         if group is not None and dist.get_world_size(group) > 1:
@@ -44,3 +45,9 @@ class GlobalNormClip:
         self.last_norm = norm
         coef = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient: a DTensor's local shard (fully sharded data parallelism, whose
+    shards of one model are summed over `group`), any other tensor whole."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad

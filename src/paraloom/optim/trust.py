@@ -6,7 +6,9 @@ block of a flat buffer that concatenates several tensors, and a tensor may strad
 blocks; under tensor parallelism a rank holds a slice of a tensor. `set_segments` tells the
 optimizer which whole tensor each element belongs to and over which process group the other
 pieces live: squared norms are summed per segment with `index_add_`, all-reduced (SUM) over the
-group, and each element takes its segment's ratio.
+group, and each element takes its segment's ratio. A DTensor parameter (fully sharded data
+parallelism) is one segment whose other pieces live on its mesh's sharding group: its local shard's
+sums are all-reduced there, and its ratio is a replicated DTensor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 RatioFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -98,7 +101,7 @@ class TrustRatioOptimizer(torch.optim.Optimizer):
         """
         x_norms: list = [None] * len(params)
         y_norms: list = [None] * len(params)
-        plain = [i for i, p in enumerate(params) if p not in self._segments]
+        plain = [i for i, p in enumerate(params) if self._segment_of(p) is None]
         if plain:
             xn = torch._foreach_norm([xs[i] for i in plain])
             yn = torch._foreach_norm([ys[i] for i in plain])
@@ -112,9 +115,9 @@ class TrustRatioOptimizer(torch.optim.Optimizer):
         """Fill in the norms of segmented parameters: one all-reduce per (group, device)."""
         batches: dict[tuple[int, torch.device], tuple[dist.ProcessGroup | None, list]] = {}
         for i, p in enumerate(params):
-            seg = self._segments.get(p)
+            seg = self._segment_of(p)
             if seg is not None:
-                sums = _square_sums(xs[i], ys[i], seg)
+                sums = _square_sums(_local(xs[i]), _local(ys[i]), seg)
                 batches.setdefault((id(seg.group), p.device), (seg.group, []))[1].append((i, sums))
         for group, items in batches.values():  # insertion order: the same on every rank
             flat = torch.cat([s.reshape(-1) for _, s in items])
@@ -124,11 +127,28 @@ class TrustRatioOptimizer(torch.optim.Optimizer):
             for (i, _), part in zip(items, parts, strict=True):
                 x_norms[i], y_norms[i] = part.view(2, -1).unbind(0)
 
+    def _segment_of(self, param: torch.Tensor) -> Segments | None:
+        """`param`'s segments: as `set_segments` set them, a DTensor's sharding group, else None."""
+        seg = self._segments.get(param)
+        if seg is None and isinstance(param, DTensor):
+            dims = [d for d, placement in enumerate(param.placements) if placement.is_shard()]
+            if len(dims) > 1:
+                raise ValueError(f"a trust ratio over a DTensor sharded on {len(dims)} mesh dimensions")
+            seg = Segments(None, 1, param.device_mesh.get_group(dims[0])) if dims else None
+        return seg
+
     def _spread(self, param: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
         seg = self._segments.get(param)
+        if isinstance(param, DTensor) and seg is None:  # one ratio for the whole tensor, on every rank
+            return DTensor.from_local(ratio.reshape(()), param.device_mesh,
+                                      [Replicate()] * param.device_mesh.ndim, run_check=False)
         if seg is None or seg.ids is None:
             return ratio.reshape(())
         return ratio[seg.ids].view_as(param)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _square_sums(x: torch.Tensor, y: torch.Tensor, seg: Segments) -> torch.Tensor:

@@ -61,19 +61,32 @@ def score(out: torch.Tensor | None, y: torch.Tensor, loss: str, *, model_loss=No
 @torch.no_grad()
 def evaluate(model: nn.Module, data: DataSets, group: dist.ProcessGroup | None, device: torch.device, *,
              forward=None, sum_group: dist.ProcessGroup | None = None, counts: bool = True,
-             batch: int = 1024) -> dict[str, float | None]:
+             batch: int = 1024, lockstep: bool = False) -> dict[str, float | None]:
     """{"test_accuracy", "val_loss"} on the evaluation set: each rank of `group` scores a slice and
     the sums are added over `sum_group` (default `group`; neither: this rank alone, on all of it,
     without communication). `forward(x)` gives a batch's logits (default `model(x)`; None where
     this rank has none); `counts=False`: this rank's sums are not added (a pipeline's other stages).
-    A model that returns its own loss has no accuracy (None)."""
+    A model that returns its own loss has no accuracy (None). `lockstep`: every rank of the world
+    scores its slice (`group` is then the world) and makes as many forwards as the rank with most
+    batches, its extra ones on one sample, not scored: a fully sharded model's forward gathers its
+    units from every rank, so the ranks must call it alike."""
     model.eval()
+    group = dist.group.WORLD if lockstep else group
     sums = torch.zeros(3, dtype=torch.float64)
+    forwards = 0
     for xb, yb in eval_batches(data, group, device, batch=batch):
+        forwards += 1
         if data.loss == "model":
             sums += score(None, yb, data.loss, model_loss=model(xb, yb))
         elif (out := (forward or model)(xb)) is not None:
             sums += score(out, yb, data.loss)
+    if lockstep:
+        largest = -(-len(data.eval) // dist.get_world_size())  # tensor_split's first slices are the largest
+        most = -(-largest // batch)
+        x0, y0 = collate([data.eval[0]])
+        x0, y0 = x0.to(device), y0.to(device)
+        for _ in range(most - forwards):
+            model(x0, y0) if data.loss == "model" else (forward or model)(x0)
     sums *= counts
     if (sum_group or group) is not None:
         dist.all_reduce(sums, group=sum_group or group)

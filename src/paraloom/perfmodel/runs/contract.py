@@ -241,6 +241,7 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     reads (the launcher's, for a run on an emulated cluster: its links measured across one)."""
     import json
 
+    from paraloom.config.choices import FULLY_SHARDED
     from paraloom.files import write_json
     from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.measure.machine_profile import cached_source, resolve_hardware
@@ -249,8 +250,13 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     if path.is_file():
         return json.loads(path.read_text())
     try:
-        hardware = load_hardware(cached) if cached else resolve_hardware(cfg.run.hardware, threads, device)
-        if hardware is None:
+        sharded = cfg.parallel.shard in FULLY_SHARDED  # nothing to calibrate for a run it cannot price
+        hardware = None if sharded else \
+            load_hardware(cached) if cached else resolve_hardware(cfg.run.hardware, threads, device)
+        if sharded:
+            predicted = {"skipped": f"parallel.shard={cfg.parallel.shard}: the model does not price the "
+                                    "gathers and reduce-scatters of fully sharded runs yet"}
+        elif hardware is None:
             predicted = {"skipped": "run.hardware=none" if cfg.run.hardware == "none" else
                          "no hardware profile of this machine yet: `paraloom train` makes one on first use"}
         else:

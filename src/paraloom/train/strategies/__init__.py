@@ -12,7 +12,6 @@ import torch
 
 from paraloom.config import Config
 from paraloom.config.choices import STRATEGY_ENTRIES
-from paraloom.config.rules import strategy_for
 from paraloom.data import DataSets
 from paraloom.trace import Timeline
 from paraloom.train.strategies.base import REGISTERED, Strategy
@@ -24,6 +23,6 @@ STRATEGIES: dict[str, type[Strategy]] = {name: REGISTERED[name] for name in STRA
 
 def make_strategy(cfg: Config, data: DataSets, *, device: torch.device,
                   timeline: Timeline | None) -> Strategy:
-    """The strategy the config asks for (parallel.mode, tp, pp), placed on this rank."""
-    name = strategy_for(mode=cfg.parallel.mode, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    """The strategy the config asks for (parallel.mode, tp, pp, shard), placed on this rank."""
+    name = cfg.strategy
     return STRATEGIES[name](cfg, data, device=device, timeline=timeline)

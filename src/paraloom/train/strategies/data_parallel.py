@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from paraloom.config import Config
+from paraloom.config.errors import UserError
 from paraloom.data import DataSets
+from paraloom.data_parallel.fully_sharded import parameter_names
 from paraloom.data_parallel.replica_state import average_states, engine_state, load_engine_state
 from paraloom.models.make import make_model
 from paraloom.pipeline_parallel.resplit import load_whole
@@ -27,7 +29,8 @@ class DataParallelStrategy(EngineStrategy):
     """Every rank trains the whole model on its shard of the batch; the engine syncs gradients."""
 
     name = "data_parallel"
-    resumes_from = ("data_parallel", "model_parallel")  # a tp/pp grid's model, whole again
+    # a tp/pp grid's model whole again; a fully sharded run's shards read whole
+    resumes_from = ("data_parallel", "model_parallel", "fully_sharded")
 
     def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
                  timeline: Timeline | None) -> None:
@@ -96,7 +99,9 @@ class DataParallelStrategy(EngineStrategy):
         return list(range(saved_world)) if self.cfg.comm.sync == "local_sgd" or saved_grid else [0]
 
     def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return self.engine.updater.sharded_target(shape, dtype)  # the sharded optimizer's state
+        if self.cfg.comm.shard_optimizer:
+            return self.engine.updater.sharded_target(shape, dtype)  # the sharded optimizer's state
+        return torch.empty(shape, dtype=dtype, device=self.device)  # a fully sharded run's, read whole
 
     def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
         """Identical replicas: rank 0's model, optimizer, recipe and pruning state serve every rank.
@@ -108,6 +113,9 @@ class DataParallelStrategy(EngineStrategy):
             load_whole(self.model, self.optimizer, [state, *others])
             self.recipe.load_state_dict(state["recipe"])
             self.resumed = True
+            return
+        if "engine" not in state:  # a fully sharded run's checkpoint, its DTensors read whole
+            self.load_state_dict(state)
             return
         notes = []
         if state["engine"]["compressor"]:
@@ -136,6 +144,20 @@ class DataParallelStrategy(EngineStrategy):
                 self.engine.updater.land(self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any], *, keep_compressor: bool = True) -> None:
+        if "engine" not in state:  # a fully sharded run's: optimizer state keyed by parameter name
+            if self.cfg.comm.shard_optimizer or self.cfg.comm.sync != "sync":
+                raise UserError("a fully sharded run's checkpoint resumes as data parallel with "
+                                "comm.sync=sync and parallel.shard=none; set those, or another run.out_dir")
+            number = {name: i for i, name in enumerate(parameter_names(self.model, self.optimizer))}
+            optimizer = state["optimizer"]
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict({
+                "state": {number[name]: s for name, s in optimizer["state"].items()},
+                "param_groups": [{**g, "params": [number[n] for n in g["params"]]}
+                                 for g in optimizer["param_groups"]]})
+            self.recipe.load_state_dict(state["recipe"])
+            self.resumed = True
+            return
         load_engine_state(self.model, self.optimizer, self.engine, state, keep_compressor=keep_compressor)
         self.recipe.load_state_dict(state["recipe"])
         if self.sparse is not None:

@@ -1,0 +1,204 @@
+"""Fully sharded data parallelism against torch's `fully_shard` and DDP on the zoo's GPT: the worker.
+
+Variants, each built from the same seed on every rank and trained on the same batches:
+  "ddp"          torch's DistributedDataParallel, the whole model on every rank;
+  "fully_shard"  a bare FSDP2 loop as torch's docs write it: `fully_shard` on every block, then
+                 on the root; AdamW; `clip_grad_norm_`;
+  "paraloom"     paraloom's fully sharded strategy (train/strategies/fully_sharded.py) at
+                 `options["level"]`, its `train_step` called as the loop calls it (units, prefetch,
+                 the non-finite guard and clipping included).
+`measure` times them in turns, a block of `steps` steps each, for `repeats` rounds, the order
+alternating (ABC, CBA, ...); per round the figure is the slowest rank's median step, and the ratio
+paraloom / fully_shard is taken round by round. `held` measures, one variant at a time, the bytes
+of parameters, gradients and optimizer state a rank holds after a step (its shards, or whole
+tensors), and the most parameter bytes gathered at once during a step (units in flight).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+VARIANTS = ("ddp", "fully_shard", "paraloom")
+
+
+def _config(options: dict[str, Any], level: str):
+    from paraloom.config import load_config
+
+    shape = options["model"]
+    return load_config(None, [
+        "model.name=gpt", "data.name=text", f"data.seq_len={shape['seq']}", "data.text_bytes=20000",
+        f"model.d_model={shape['width']}", f"model.n_heads={shape['heads']}",
+        f"model.n_layers={shape['layers']}", f"data.batch_size={options['batch']}",
+        "optim.name=adamw", "optim.lr=0.0003", "optim.clip_norm=1.0", f"parallel.shard={level}",
+        f"parallel.reshard_after_forward={str(options.get('reshard_after_forward', True)).lower()}"])
+
+
+def _build(variant: str, options: dict[str, Any], level: str = "full"):
+    """(step function taking (x, y), the module whose parameters count, the optimizer)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from paraloom.models import build_model
+
+    shape, world = options["model"], dist.get_world_size()
+    torch.manual_seed(0)
+    if variant == "paraloom":
+        from paraloom.data import load_data
+        from paraloom.train.strategies.fully_sharded import FullyShardedStrategy
+
+        cfg = _config(options, level)
+        strategy = FullyShardedStrategy(cfg, load_data(cfg), device=torch.device("cpu"), timeline=None)
+        count = options["batch"] * world
+        calls = iter(range(1, 10**9))
+
+        def paraloom_step(x, y):
+            strategy.train_step(x, y, count, scale=world / count, step=next(calls), saving=False)
+
+        return paraloom_step, strategy.model, strategy.optimizer
+    model = build_model("gpt", (shape["seq"],), shape["vocab"], n_layers=shape["layers"],
+                        d_model=shape["width"], n_heads=shape["heads"])
+    if variant == "fully_shard":
+        for block in list(model)[1:-1]:
+            fully_shard(block)
+        fully_shard(model)
+        wrapped = model
+    else:
+        wrapped = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    def step(x, y):
+        out = wrapped(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, model, optimizer
+
+
+def _batches(options: dict[str, Any], rank: int) -> list:
+    import torch
+
+    shape = options["model"]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randint(0, shape["vocab"], (options["batch"], shape["seq"]), generator=gen),
+             torch.randint(0, shape["vocab"], (options["batch"], shape["seq"]), generator=gen))
+            for _ in range(4)]
+
+
+def _block(step, batches: list, count: int) -> float:
+    times = []
+    for i in range(count):
+        x, y = batches[i % len(batches)]
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def speed(options: dict[str, Any], save=None) -> dict[str, Any]:
+    """One rank: the variants in turns; per round each one's median step (slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    batches = _batches(options, dist.get_rank())
+    runs = {v: _build(v, options, options["level"])[0] for v in VARIANTS}
+    for variant in VARIANTS:  # warm-up: first gathers, allocator, optimizer state
+        _block(runs[variant], batches, options["warmup"])
+    rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for r in range(options["repeats"]):
+        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            rounds[variant].append(_slowest(_block(runs[variant], batches, options["steps"])))
+        if save is not None:
+            save({"seconds": rounds})
+    ratios = [p / f for p, f in zip(rounds["paraloom"], rounds["fully_shard"], strict=True)]
+    out = {"seconds": rounds, "ratio_per_round": ratios, "ratio_vs_fully_shard": statistics.median(ratios),
+           "ratio_vs_ddp": statistics.median(p / d for p, d in zip(rounds["paraloom"], rounds["ddp"],
+                                                                    strict=True)),
+           **{f"{v}_step_s": statistics.median(rounds[v]) for v in VARIANTS}}
+    dist.destroy_process_group()
+    return out
+
+
+def held(options: dict[str, Any], save=None) -> dict[str, Any]:
+    """One rank: per variant (and paraloom's levels), bytes held after two steps and the most
+    parameter bytes gathered at once during the second."""
+    import torch
+    import torch.distributed as dist
+
+    from paraloom.data_parallel.fully_sharded import held_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    batches = _batches(options, dist.get_rank())
+    out: dict[str, Any] = {}
+    for name, variant, level in [("ddp", "ddp", "full"), ("fully_shard", "fully_shard", "full"),
+                                 *((f"paraloom_{lv}", "paraloom", lv) for lv in options["levels"])]:
+        step, model, optimizer = _build(variant, options, level)
+        step(*batches[0])
+        watch = _GatherWatch(model)
+        step(*batches[1])
+        watch.close()
+        # after the step, before the next zero_grad: set_to_none left no gradients, so count them
+        # as the step held them: one per parameter shard, of the parameter's dtype
+        counts = held_bytes(model.parameters(), optimizer)
+        counts["grads"] = counts["params"]
+        counts["gathered_peak"] = watch.peak
+        counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
+        out[name] = counts
+        if save is not None:
+            save(out)
+        del step, model, optimizer, watch
+        gc.collect()
+    dist.destroy_process_group()
+    return out
+
+
+class _GatherWatch:
+    """The most bytes of gathered (unsharded) parameters alive at once, read at every module's
+    forward and backward (torch's FSDP2 internals: each FSDPParam's all-gather outputs, whose
+    storage is freed on resharding). 0 for a model that is not fully sharded."""
+
+    def __init__(self, model) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.params = []
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group  # noqa: SLF001 - a measurement
+                if group is not None:
+                    self.params += group.fsdp_params
+        self.peak = 0
+        self.handles = []
+        if self.params:
+            for module in model.modules():
+                self.handles.append(module.register_forward_hook(self._read))
+                if isinstance(module, FSDPModule):  # a unit's backward begins with its gather
+                    self.handles.append(module.register_full_backward_pre_hook(self._read))
+
+    def _read(self, *_: Any) -> None:
+        alive = sum(t.untyped_storage().nbytes() for fp in self.params
+                    for t in getattr(fp, "all_gather_outputs", []) or [])
+        self.peak = max(self.peak, alive)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()

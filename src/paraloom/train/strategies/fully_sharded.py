@@ -1,0 +1,208 @@
+"""Fully sharded data parallelism (`parallel.shard` gradients / full / hybrid) through torch's `fully_shard`.
+
+Every rank builds the model from the seed, takes rank 0's weights, and shards it unit by unit
+(data_parallel/fully_sharded.py) over the data-parallel ranks (hybrid: inside groups of
+`parallel.shard_group`, replicated across them). A step runs forward and backward on this rank's
+shard of the batch (accumulation's micro-batches reduce-scatter on the last one only), checks the
+gradient shards for NaN/Inf on every rank, and steps the optimizer on the shards: clipping sums
+the squared norms of the shards over the sharding group, and mixed precision is FSDP's (units
+gathered in bf16/fp16, fp32 shards and optimizer state). Checkpoints hold DTensors, which DCP
+reshards when another number of ranks resumes; the saved model is one full state dict on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import empty as dtensor_empty
+
+from paraloom.config import Config
+from paraloom.config.errors import UserError
+from paraloom.data import DataSets
+from paraloom.data_parallel.fully_sharded import (
+    DTYPES,
+    apply_sharding,
+    broadcast_from_first,
+    describe,
+    find_units,
+    held_bytes,
+    local,
+    parameter_names,
+    set_gradient_sync,
+    shard_group,
+    shard_mesh,
+)
+from paraloom.models.make import make_model
+from paraloom.optim.finite import all_finite
+from paraloom.optim.groups import mark_no_decay
+from paraloom.optim.recipe import Recipe
+from paraloom.trace import Timeline, trace_modules
+from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
+from paraloom.train.strategies.base import StepResult, Strategy, register_strategy
+
+
+@register_strategy
+class FullyShardedStrategy(Strategy):
+    """Parameters, gradients and optimizer state split across the data-parallel ranks (torch's FSDP2)."""
+
+    name = "fully_sharded"
+    resumes_from = ("fully_sharded", "data_parallel")  # a data-parallel run's whole tensors, sharded here
+
+    def __init__(self, cfg: Config, data: DataSets, *, device: torch.device,
+                 timeline: Timeline | None) -> None:
+        self.cfg, self.data, self.device = cfg, data, device
+        par, world = cfg.parallel, dist.get_world_size()
+        self.dp_rank, self.dp_world_size = dist.get_rank(), world
+        model = make_model(cfg, data).to(device)
+        broadcast_from_first(model)
+        if timeline is not None:
+            trace_modules(model, timeline)
+        self.units = find_units(model, par.shard_units)
+        # hybrid's groups: a node's ranks (torchrun's LOCAL_WORLD_SIZE) unless parallel.shard_group says
+        group_size = par.shard_group or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.mesh = shard_mesh(par.shard, world_size=world, group_size=group_size, device_type=device.type)
+        self.placements = (Replicate(), Shard(0)) if par.shard == "hybrid" else (Shard(0),)
+        compute = DTYPES[cfg.run.precision] if cfg.run.precision != "fp32" else None
+        reduce = DTYPES[par.shard_reduce_dtype] if compute is not None else None
+        self.sizes = self._unit_bytes(model, compute)
+        self.model = apply_sharding(model, self.units, self.mesh, level=par.shard,
+                                    reshard_after_forward=par.reshard_after_forward, param_dtype=compute,
+                                    reduce_dtype=reduce, prefetch=par.shard_prefetch)
+        mark_no_decay(self.model, cfg.optim.no_decay, model_name=f"model.name={cfg.model.name}")
+        self.recipe = Recipe(cfg, self.model.parameters(), total_steps=planned_steps(cfg, len(data.train)),
+                             device=device, clip_group=shard_group(self.mesh))
+        self.optimizer = self.recipe.optimizer
+        self.comm_bytes = 0
+        self.held: dict[str, int] = {}  # the most bytes this rank held, by kind (held_bytes)
+
+    def _unit_bytes(self, model: torch.nn.Module, compute: torch.dtype | None) -> tuple[int, int]:
+        """(bytes a step's all-gathers bring this rank, bytes its reduce-scatters and all-reduces send),
+        counted from the units' sizes: ring collectives move (n - 1) / n of a tensor per rank."""
+        par, world = self.cfg.parallel, dist.get_world_size()
+        numel = sum(p.numel() for p in model.parameters())
+        element = (compute or torch.float32).itemsize
+        reduce_element = DTYPES[par.shard_reduce_dtype].itemsize if compute is not None else 4
+        shards = world if par.shard != "hybrid" else self.mesh.size(1)
+        replicas = world // shards
+        regathered = par.reshard_after_forward and par.shard != "gradients"
+        gathers = (1 + regathered) * numel * element * (shards - 1) // shards
+        reduced = numel * reduce_element * (shards - 1) // shards
+        reduced += 2 * (numel // shards) * reduce_element * (replicas - 1) // replicas  # hybrid's all-reduce
+        return gathers, reduced
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
+                   saving: bool) -> StepResult:
+        began, recipe = time.perf_counter(), self.recipe
+        pieces, loss_sum = chunks(x, y, recipe.accumulate), 0.0
+        for i, (xs, ys) in enumerate(pieces):
+            set_gradient_sync(self.model, i == len(pieces) - 1)  # reduce-scatter once, on the last
+            loss, part = batch_loss(self.model, xs, ys, scale=scale, loss=self.data.loss,
+                                    smoothing=self.cfg.optim.label_smoothing)
+            recipe.backward(loss)
+            loss_sum = part.float() + loss_sum
+        computed = time.perf_counter() - began
+        stepped = self._finite() if self.cfg.guard.nan else True
+        if stepped:
+            self.optimizer.step()  # its pre-hooks unscale (fp16) and clip
+        if step <= 2 or saving:  # the optimizer's state exists from the first step on
+            self._note_held()
+        self.optimizer.zero_grad(set_to_none=True)
+        own_skip = recipe.after_step(stepped)
+        gathers, reduced = self.sizes
+        self.comm_bytes += gathers * len(pieces) + reduced
+        update = time.perf_counter() - began - computed
+        # FSDP's gathers and reduce-scatters overlap the compute they sit in: not told apart here
+        terms = {"compute": computed, "communication": 0.0, "codec": 0.0, "update": update}
+        return StepResult(stepped, loss_sum, computed, own_skip, terms)
+
+    def _finite(self) -> bool:
+        """Whether every rank's gradient shards are finite (one all-reduce of a flag)."""
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        bad = torch.tensor([0.0 if all_finite(grads) else 1.0], device=self.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
+
+    def _note_held(self) -> None:
+        held = held_bytes(self.model.parameters(), self.optimizer)
+        self.held = {key: max(value, self.held.get(key, 0)) for key, value in held.items()}
+
+    def loss_value(self, result: StepResult, global_count: int) -> float:
+        dist.all_reduce(result.loss)  # metric only, not counted
+        return float(result.loss) / global_count
+
+    def take_comm(self) -> tuple[int, float]:
+        sent, self.comm_bytes = self.comm_bytes, 0
+        return sent, 0.0
+
+    def learning_rate(self) -> float:
+        return self.recipe.learning_rate()
+
+    def loss_scale(self) -> float | None:
+        return self.recipe.scaler.scale if self.recipe.scaler is not None else None
+
+    def _evaluate(self) -> dict[str, Any]:
+        # every rank scores its slice; a sharded model gathers its units in each forward, so every rank
+        # makes as many forwards as the one with most batches (`lockstep`)
+        return evaluate(self.model, self.data, None, self.device, lockstep=True)
+
+    def epoch_end(self) -> float | None:
+        return self._evaluate()["test_accuracy"]
+
+    def finish(self) -> dict[str, Any]:
+        return self._evaluate()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True))
+        return state if dist.get_rank() == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "recipe": self.recipe.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "engine" in state:  # a data-parallel run's checkpoint: whole tensors, optimizer state by index
+            if state["engine"]["updater"]:  # plain synchronous sync keeps none
+                raise UserError("this checkpoint was saved by a data-parallel run whose updater keeps state "
+                                "of its own (parallel.shard=optimizer, comm.scheduler=priority, comm.sync="
+                                "one_step_delay or local_sgd); resume it with the settings it was saved "
+                                "with, or set another run.out_dir to start afresh")
+            replicas = state if "model" in state else state["shared"]
+            optimizer = replicas["optimizer"]
+            names = parameter_names(self.model, self.optimizer)
+            by_name = {"state": {names[i]: s for i, s in optimizer["state"].items()},
+                       "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                        for g in optimizer["param_groups"]]}
+            set_state_dict(self.model, self.optimizer, model_state_dict=replicas["model"],
+                           optim_state_dict=by_name, options=StateDictOptions(full_state_dict=True))
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+        self.recipe.load_state_dict(state["recipe"])
+
+    def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return dtensor_empty(shape, dtype=dtype, device_mesh=self.mesh, placements=self.placements)
+
+    def resize_refusal(self) -> str | None:
+        return None  # DCP reshards every DTensor into this run's layout
+
+    def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
+        self.load_state_dict(state)
+
+    def summary(self) -> dict[str, Any]:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.held)
+        return {"shard": {"level": self.cfg.parallel.shard, "units": describe(self.units),
+                          "mesh": list(self.mesh.shape),
+                          "held_mb_per_rank": [{k: v / 2**20 for k, v in held.items()} for held in gathered]}}

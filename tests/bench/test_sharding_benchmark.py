@@ -1,0 +1,29 @@
+"""benchmarks/sharding.py --quick runs end to end: DDP, a bare fully_shard loop and paraloom take turns,
+and the bytes each holds shrink with the sharding level as they must."""
+
+import json
+
+import pytest
+from scripts import run_script
+
+
+@pytest.mark.timeout(240)
+def test_sharding_benchmark_quick(tmp_path):
+    out = tmp_path / "sharding.json"
+    run_script("sharding.py", "--quick", "--json", str(out), timeout=200)
+    report = json.loads(out.read_text())
+    held = report["held"]
+    assert set(held) == {"ddp", "fully_shard", "paraloom_gradients", "paraloom_full"}
+    ddp = held["ddp"]
+    assert ddp["gathered_peak"] == 0 and ddp["optimizer"] == 2 * ddp["params"]  # AdamW's two moments
+    for name in ("fully_shard", "paraloom_full", "paraloom_gradients"):
+        # a quarter of every tensor at dp4, up to the padding of rows that do not divide by 4
+        assert held[name]["total"] == pytest.approx(ddp["total"] / 4, rel=0.05), name
+        assert 0 < held[name]["gathered_peak"] <= ddp["params"], name
+    speed = report["speed"]["loopback_4"]
+    assert all(len(rounds) == 2 for rounds in speed["seconds"].values())
+    summary = report["summary"]
+    assert summary["mem_ratio_full_vs_ddp"] == pytest.approx(0.25, rel=0.05)
+    assert summary["mem_ratio_vs_fully_shard"] == pytest.approx(1.0, rel=0.01)
+    assert summary["step_ratio_vs_fully_shard_loopback"] > 0
+    assert summary["model_median_abs_err"] is None and summary["n_model_configs"] == 0
