@@ -1,6 +1,6 @@
 """Fully sharded data parallelism (parallel.shard) against torch's fully_shard and DDP, same run.
 
-    python benchmarks/sharding.py [--quick] [--repeats 5] [--no-emulate] --json OUT
+    python benchmarks/sharding.py [--quick] [--repeats 5] [--no-emulate] [--speed-only] [--explain] --json OUT
 
 Memory: 4 workers on loopback train the zoo's GPT at width 1024, 8 layers (101M parameters), AdamW;
 per rank, the bytes of parameters, gradients and optimizer state held after a step, for DDP, a
@@ -10,11 +10,15 @@ tokens per worker, on loopback and on an emulated 4 x 1 Gbit/s cluster (needs ro
 `fully_shard` and paraloom `full` take turns (paraloom.bench.sharding); a ratio is the median over
 rounds of paraloom's step over the peer's.
 
-Summary (`summary` in the JSON): `mem_ratio_full_vs_ddp`, `mem_ratio_full_gathered_vs_ddp` (with
-the gathered units in flight), `mem_ratio_gradients_vs_ddp`, `mem_ratio_vs_fully_shard`,
+Summary (`summary` in the JSON): `mem_ratio_full_vs_ddp`, `mem_ratio_gradients_vs_ddp` and
+`mem_ratio_vs_fully_shard` (bytes held after a step plus the most gathered during it; DDP gathers
+nothing), `mem_ratio_full_at_rest_vs_ddp`,
 `step_ratio_vs_fully_shard_loopback`, `step_ratio_vs_fully_shard_1gbit`, `step_ratio_vs_ddp_loopback`,
 `step_ratio_vs_ddp_1gbit`; the performance model's figures (`model_median_abs_err`,
 `model_max_abs_err`, `n_model_configs`) are null until the model prices fully sharded plans.
+`--explain` adds the bare loop clipping as paraloom does and paraloom without explicit prefetch
+(paraloom.bench.sharding), to tell where a difference between paraloom and the bare loop comes
+from; `--speed-only` skips the memory part.
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ TINY = {"vocab": 256, "seq": 16, "layers": 2, "width": 32, "heads": 2}
 
 
 def summarize(held: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
+    def peak(name: str) -> float:  # held after a step, and the units gathered at once during it
+        return held[name]["total"] + held[name]["gathered_peak"]
+
     ddp = held["ddp"]["total"]
-    full = held["paraloom_full"]
     out: dict[str, Any] = {
-        "mem_ratio_full_vs_ddp": full["total"] / ddp,
-        "mem_ratio_full_gathered_vs_ddp": (full["total"] + full["gathered_peak"]) / ddp,
-        "mem_ratio_gradients_vs_ddp": held["paraloom_gradients"]["total"] / ddp,
-        "mem_ratio_vs_fully_shard": full["total"] / held["fully_shard"]["total"],
+        "mem_ratio_full_vs_ddp": peak("paraloom_full") / ddp,
+        "mem_ratio_full_at_rest_vs_ddp": held["paraloom_full"]["total"] / ddp,
+        "mem_ratio_gradients_vs_ddp": peak("paraloom_gradients") / ddp,
+        "mem_ratio_vs_fully_shard": peak("paraloom_full") / peak("fully_shard"),
     }
     for name, cluster in (("loopback", "loopback_4"), ("1gbit", "emulated_4x1gbit")):
         if cluster in speed:
@@ -57,16 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny model, loopback, 2 rounds: a smoke run")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--no-emulate", action="store_true", help="loopback only")
+    parser.add_argument("--speed-only", action="store_true", help="skip the memory part")
+    parser.add_argument("--explain", action="store_true",
+                        help="add the bare loop clipping as paraloom does, and paraloom without prefetch")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     held_options = {"model": TINY if args.quick else BIG, "batch": 2, "levels": ["gradients", "full"]}
     speed_options = {"model": TINY if args.quick else SMALL, "batch": 8, "level": "full", "warmup": 2,
                      "steps": 2 if args.quick else 3,
-                     "repeats": min(args.repeats, 2) if args.quick else args.repeats}
+                     "repeats": min(args.repeats, 2) if args.quick else args.repeats,
+                     "explain": ["fully_shard_local_clip", "paraloom_no_prefetch"] if args.explain else []}
     report: dict[str, Any] = {"options": {"held": held_options, "speed": speed_options}, "speed": {}}
     console = Console(width=120)
 
-    held = launch("paraloom.bench.sharding:held", held_options, nproc=4, prefix="paraloom-sharding-")[0]
+    if args.speed_only:
+        held = {}
+    else:
+        held = launch("paraloom.bench.sharding:held", held_options, nproc=4, prefix="paraloom-sharding-")[0]
     report["held"] = held
     table = make_table("bytes held per rank (MB), dp4", ("variant", "params", "grads", "optimizer", "total",
                                                          "gathered peak", "total / DDP"), left=("variant",))
@@ -85,17 +98,20 @@ def main(argv: list[str] | None = None) -> int:
             result = launch("paraloom.bench.sharding:speed", speed_options, nproc=4,
                             prefix="paraloom-sharding-")[0]
         else:
-            with emulated(nodes, 1e9, "sharding") as cluster:
+            with emulated(nodes, 1e9, "shard") as cluster:
                 result = launch("paraloom.bench.sharding:speed", speed_options, cluster=cluster,
                                 prefix="paraloom-sharding-")[0]
         report["speed"][name] = result
-        table = make_table(f"step ms, dp4, {name}", ("DDP", "fully_shard", "paraloom full",
-                                                      "paraloom / fully_shard", "per round"))
-        table.add_row(*(f"{result[f'{v}_step_s'] * 1e3:.1f}" for v in ("ddp", "fully_shard", "paraloom")),
+        shown = ("ddp", "fully_shard", "paraloom", *speed_options["explain"])
+        table = make_table(f"step ms, dp4, {name}", (*shown, "paraloom / fully_shard", "per round"))
+        table.add_row(*(f"{result[f'{v}_step_s'] * 1e3:.1f}" for v in shown),
                       f"{result['ratio_vs_fully_shard']:.3f}",
                       " ".join(f"{r:.3f}" for r in result["ratio_per_round"]))
         console.print(table)
         write_json(args.json, report)
+    if not held:
+        write_json(args.json, report)
+        return 0
     report["summary"] = summarize(held, report["speed"])
     console.print_json(data=report["summary"])
     write_json(args.json, report)

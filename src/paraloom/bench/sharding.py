@@ -7,9 +7,12 @@ Variants, each built from the same seed on every rank and trained on the same ba
   "paraloom"     paraloom's fully sharded strategy (train/strategies/fully_sharded.py) at
                  `options["level"]`, its `train_step` called as the loop calls it (units, prefetch,
                  the non-finite guard and clipping included).
-`measure` times them in turns, a block of `steps` steps each, for `repeats` rounds, the order
-alternating (ABC, CBA, ...); per round the figure is the slowest rank's median step, and the ratio
-paraloom / fully_shard is taken round by round. `held` measures, one variant at a time, the bytes
+"fully_shard_local_clip" (with `--explain`) is the bare loop clipping as paraloom does: squared norms
+of the local shards, one all-reduce, no DTensor dispatch; "paraloom_no_prefetch" is paraloom with
+`parallel.shard_prefetch=0` (torch's implicit prefetch only). `speed` times them in turns, a block of
+`steps` steps each, for `repeats` rounds, the order alternating (ABC, CBA, ...); per round the
+figure is the slowest rank's median step, and the ratio paraloom / fully_shard is taken round by
+round. `held` measures, one variant at a time, the bytes
 of parameters, gradients and optimizer state a rank holds after a step (its shards, or whole
 tensors), and the most parameter bytes gathered at once during a step (units in flight).
 """
@@ -24,7 +27,7 @@ from typing import Any
 VARIANTS = ("ddp", "fully_shard", "paraloom")
 
 
-def _config(options: dict[str, Any], level: str):
+def _config(options: dict[str, Any], level: str, prefetch: int = 1):
     from paraloom.config import load_config
 
     shape = options["model"]
@@ -33,6 +36,7 @@ def _config(options: dict[str, Any], level: str):
         f"model.d_model={shape['width']}", f"model.n_heads={shape['heads']}",
         f"model.n_layers={shape['layers']}", f"data.batch_size={options['batch']}",
         "optim.name=adamw", "optim.lr=0.0003", "optim.clip_norm=1.0", f"parallel.shard={level}",
+        f"parallel.shard_prefetch={prefetch}",
         f"parallel.reshard_after_forward={str(options.get('reshard_after_forward', True)).lower()}"])
 
 
@@ -48,11 +52,11 @@ def _build(variant: str, options: dict[str, Any], level: str = "full"):
 
     shape, world = options["model"], dist.get_world_size()
     torch.manual_seed(0)
-    if variant == "paraloom":
+    if variant.startswith("paraloom"):
         from paraloom.data import load_data
         from paraloom.train.strategies.fully_sharded import FullyShardedStrategy
 
-        cfg = _config(options, level)
+        cfg = _config(options, level, prefetch=0 if variant == "paraloom_no_prefetch" else 1)
         strategy = FullyShardedStrategy(cfg, load_data(cfg), device=torch.device("cpu"), timeline=None)
         count = options["batch"] * world
         calls = iter(range(1, 10**9))
@@ -63,7 +67,7 @@ def _build(variant: str, options: dict[str, Any], level: str = "full"):
         return paraloom_step, strategy.model, strategy.optimizer
     model = build_model("gpt", (shape["seq"],), shape["vocab"], n_layers=shape["layers"],
                         d_model=shape["width"], n_heads=shape["heads"])
-    if variant == "fully_shard":
+    if variant.startswith("fully_shard"):
         for block in list(model)[1:-1]:
             fully_shard(block)
         fully_shard(model)
@@ -71,12 +75,19 @@ def _build(variant: str, options: dict[str, Any], level: str = "full"):
     else:
         wrapped = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    if variant == "fully_shard_local_clip":
+        from paraloom.optim.clip import GlobalNormClip
+
+        clip = GlobalNormClip(1.0, group=dist.group.WORLD)
+    else:
+        def clip(params):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
 
     def step(x, y):
         out = wrapped(x)
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip(list(model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -120,12 +131,13 @@ def speed(options: dict[str, Any], save=None) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     batches = _batches(options, dist.get_rank())
-    runs = {v: _build(v, options, options["level"])[0] for v in VARIANTS}
-    for variant in VARIANTS:  # warm-up: first gathers, allocator, optimizer state
+    variants = (*VARIANTS, *options.get("explain", ()))
+    runs = {v: _build(v, options, options["level"])[0] for v in variants}
+    for variant in variants:  # warm-up: first gathers, allocator, optimizer state
         _block(runs[variant], batches, options["warmup"])
-    rounds: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    rounds: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(options["repeats"]):
-        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+        for variant in (variants if r % 2 == 0 else variants[::-1]):
             rounds[variant].append(_slowest(_block(runs[variant], batches, options["steps"])))
         if save is not None:
             save({"seconds": rounds})
@@ -133,7 +145,7 @@ def speed(options: dict[str, Any], save=None) -> dict[str, Any]:
     out = {"seconds": rounds, "ratio_per_round": ratios, "ratio_vs_fully_shard": statistics.median(ratios),
            "ratio_vs_ddp": statistics.median(p / d for p, d in zip(rounds["paraloom"], rounds["ddp"],
                                                                     strict=True)),
-           **{f"{v}_step_s": statistics.median(rounds[v]) for v in VARIANTS}}
+           **{f"{v}_step_s": statistics.median(rounds[v]) for v in variants}}
     dist.destroy_process_group()
     return out
 
@@ -191,7 +203,7 @@ class _GatherWatch:
         if self.params:
             for module in model.modules():
                 self.handles.append(module.register_forward_hook(self._read))
-                if isinstance(module, FSDPModule):  # a unit's backward begins with its gather
+                if isinstance(module, FSDPModule) and module is not model:  # a unit's backward gathers it
                     self.handles.append(module.register_full_backward_pre_hook(self._read))
 
     def _read(self, *_: Any) -> None:
