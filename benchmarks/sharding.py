@@ -11,8 +11,9 @@ tokens per worker, on loopback and on an emulated 4 x 1 Gbit/s cluster (needs ro
 rounds of paraloom's step over the peer's.
 
 Summary (`summary` in the JSON): `mem_ratio_full_vs_ddp`, `mem_ratio_gradients_vs_ddp` and
-`mem_ratio_vs_fully_shard` (bytes held after a step plus the most gathered during it; DDP gathers
-nothing), `mem_ratio_full_at_rest_vs_ddp`,
+`mem_ratio_vs_fully_shard` (the most bytes of parameters, gradients, optimizer state and their
+gather and reduction buffers alive at once during a step, by torch's memory tracker),
+`mem_ratio_full_at_rest_vs_ddp` (after a step),
 `step_ratio_vs_fully_shard_loopback`, `step_ratio_vs_fully_shard_1gbit`, `step_ratio_vs_ddp_loopback`,
 `step_ratio_vs_ddp_1gbit`; the performance model's figures (`model_median_abs_err`,
 `model_max_abs_err`, `n_model_configs`) are null until the model prices fully sharded plans.
@@ -40,15 +41,17 @@ TINY = {"vocab": 256, "seq": 16, "layers": 2, "width": 32, "heads": 2}
 
 
 def summarize(held: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
-    def peak(name: str) -> float:  # held after a step, and the units gathered at once during it
-        return held[name]["total"] + held[name]["gathered_peak"]
+    def peak(name: str) -> float:  # the most state alive at once during a step, buffers included
+        return held[name]["peak_state"]
 
     ddp = held["ddp"]["total"]
     out: dict[str, Any] = {
-        "mem_ratio_full_vs_ddp": peak("paraloom_full") / ddp,
+        "mem_ratio_full_vs_ddp": peak("paraloom_full") / peak("ddp"),
         "mem_ratio_full_at_rest_vs_ddp": held["paraloom_full"]["total"] / ddp,
-        "mem_ratio_gradients_vs_ddp": peak("paraloom_gradients") / ddp,
+        "mem_ratio_gradients_vs_ddp": peak("paraloom_gradients") / peak("ddp"),
         "mem_ratio_vs_fully_shard": peak("paraloom_full") / peak("fully_shard"),
+        # parallel.shard_prefetch=0: torch's implicit prefetch only, as the bare loop
+        "mem_ratio_no_prefetch_vs_fully_shard": peak("paraloom_full_no_prefetch") / peak("fully_shard"),
     }
     for name, cluster in (("loopback", "loopback_4"), ("1gbit", "emulated_4x1gbit")):
         if cluster in speed:
@@ -81,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         held = launch("paraloom.bench.sharding:held", held_options, nproc=4, prefix="paraloom-sharding-")[0]
     report["held"] = held
-    table = make_table("bytes held per rank (MB), dp4", ("variant", "params", "grads", "optimizer", "total",
-                                                         "gathered peak", "total / DDP"), left=("variant",))
+    table = make_table("bytes per rank (MB), dp4", ("variant", "params", "grads", "optimizer", "at rest",
+                                                    "peak state", "peak / DDP's"), left=("variant",))
     for name, row in held.items():
         table.add_row(name, *(f"{row[k] / 2**20:.1f}" for k in ("params", "grads", "optimizer", "total",
-                                                                  "gathered_peak")),
-                      f"{row['total'] / held['ddp']['total']:.3f}")
+                                                                  "peak_state")),
+                      f"{row['peak_state'] / held['ddp']['peak_state']:.3f}")
     console.print(table)
     write_json(args.json, report)
 

@@ -12,9 +12,9 @@ of the local shards, one all-reduce, no DTensor dispatch; "paraloom_no_prefetch"
 `parallel.shard_prefetch=0` (torch's implicit prefetch only). `speed` times them in turns, a block of
 `steps` steps each, for `repeats` rounds, the order alternating (ABC, CBA, ...); per round the
 figure is the slowest rank's median step, and the ratio paraloom / fully_shard is taken round by
-round. `held` measures, one variant at a time, the bytes
-of parameters, gradients and optimizer state a rank holds after a step (its shards, or whole
-tensors), and the most parameter bytes gathered at once during a step (units in flight).
+round. `held` measures, one variant at a time, the bytes of parameters, gradients and optimizer
+state a rank holds after a step (its shards, or whole tensors), and the most of those plus their
+gather and reduction buffers alive at once during a step (`_StateWatch`).
 """
 
 from __future__ import annotations
@@ -151,8 +151,10 @@ def speed(options: dict[str, Any], save=None) -> dict[str, Any]:
 
 
 def held(options: dict[str, Any], save=None) -> dict[str, Any]:
-    """One rank: per variant (and paraloom's levels), bytes held after two steps and the most
-    parameter bytes gathered at once during the second."""
+    """One rank: per variant (and paraloom's levels), bytes of parameters, gradients and optimizer
+    state held after a step, and the most bytes of those plus the buffers gathered or reduced for
+    them (all-gather and reduce-scatter buffers, unsharded parameters and gradients) alive at once
+    during the next step: "peak_state"."""
     import torch
     import torch.distributed as dist
 
@@ -163,18 +165,21 @@ def held(options: dict[str, Any], save=None) -> dict[str, Any]:
     batches = _batches(options, dist.get_rank())
     out: dict[str, Any] = {}
     for name, variant, level in [("ddp", "ddp", "full"), ("fully_shard", "fully_shard", "full"),
-                                 *((f"paraloom_{lv}", "paraloom", lv) for lv in options["levels"])]:
+                                 *((f"paraloom_{lv}", "paraloom", lv) for lv in options["levels"]),
+                                 ("paraloom_full_no_prefetch", "paraloom_no_prefetch", "full")]:
         step, model, optimizer = _build(variant, options, level)
         step(*batches[0])
-        watch = _GatherWatch(model)
-        step(*batches[1])
+        watch = _StateWatch(model, optimizer)
+        with watch:
+            step(*batches[1])
         watch.close()
         # after the step, before the next zero_grad: set_to_none left no gradients, so count them
         # as the step held them: one per parameter shard, of the parameter's dtype
         counts = held_bytes(model.parameters(), optimizer)
         counts["grads"] = counts["params"]
-        counts["gathered_peak"] = watch.peak
         counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
+        counts["peak_state"] = watch.peak
+        counts["peak_state_by_kind"] = watch.peak_by_kind
         out[name] = counts
         if save is not None:
             save(out)
@@ -184,32 +189,49 @@ def held(options: dict[str, Any], save=None) -> dict[str, Any]:
     return out
 
 
-class _GatherWatch:
-    """The most bytes of gathered (unsharded) parameters alive at once, read at every module's
-    forward and backward (torch's FSDP2 internals: each FSDPParam's all-gather outputs, whose
-    storage is freed on resharding). 0 for a model that is not fully sharded."""
+class _StateWatch:
+    """The most bytes of model state alive at once during a step: torch's memory tracker
+    (`torch.distributed._tools`: FSDPMemTracker for a fully sharded model, MemTracker otherwise)
+    sorts every tensor allocated into parameters, gradients, optimizer state, all-gather and
+    reduce-scatter buffers, activations and temporaries; the state (all but activations, temporaries
+    and inputs) is read at every module's forward pre-hook and forward hook, every unit's backward
+    pre-hook and around the optimizer's step, and its largest sum kept."""
 
-    def __init__(self, model) -> None:
+    SKIPPED = ("Activation", "Temp", "Inputs", "Total")
+
+    def __init__(self, model, optimizer) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
         from torch.distributed.fsdp import FSDPModule
 
-        self.params = []
+        if isinstance(model, FSDPModule):
+            self.tracker = FSDPMemTracker(model, optimizer)
+        else:
+            self.tracker = MemTracker()
+            self.tracker.track_external(model, optimizer)
+        self.peak, self.peak_by_kind = 0, {}
+        self.handles = [optimizer.register_step_pre_hook(self._read),
+                        optimizer.register_step_post_hook(self._read)]
         for module in model.modules():
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group  # noqa: SLF001 - a measurement
-                if group is not None:
-                    self.params += group.fsdp_params
-        self.peak = 0
-        self.handles = []
-        if self.params:
-            for module in model.modules():
-                self.handles.append(module.register_forward_hook(self._read))
-                if isinstance(module, FSDPModule) and module is not model:  # a unit's backward gathers it
-                    self.handles.append(module.register_full_backward_pre_hook(self._read))
+            self.handles.append(module.register_forward_pre_hook(self._read))
+            self.handles.append(module.register_forward_hook(self._read))
+            if isinstance(module, FSDPModule) and module is not model:  # a unit's backward gathers it
+                self.handles.append(module.register_full_backward_pre_hook(self._read))
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tracker.__exit__(*exc)
 
     def _read(self, *_: Any) -> None:
-        alive = sum(t.untyped_storage().nbytes() for fp in self.params
-                    for t in getattr(fp, "all_gather_outputs", []) or [])
-        self.peak = max(self.peak, alive)
+        snapshot = self.tracker.get_tracker_snapshot("current")
+        kinds = {str(getattr(k, "value", k)): v for device in snapshot.values() for k, v in device.items()
+                 if str(getattr(k, "value", k)) not in self.SKIPPED}
+        total = sum(kinds.values())
+        if total > self.peak:
+            self.peak, self.peak_by_kind = total, kinds
 
     def close(self) -> None:
         for handle in self.handles:
