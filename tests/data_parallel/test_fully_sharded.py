@@ -137,6 +137,17 @@ def test_the_gpt_trains_fully_sharded_as_one_process_does(name, one_process, tmp
     assert saved.keys() == params.keys()
     for key, value in params.items():
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    # counted one collective at a time: per step, each gather takes a shard and each reduce-scatter a
+    # whole gradient (the units' and the root's), in fp32; resharded after forward, a unit is gathered
+    # in forward and backward of both micro-batches; kept, at least in each forward (the root was seen
+    # gathered once more: bounded, not pinned)
+    group = 2 if name.startswith("hybrid") else world
+    whole = sum(v.numel() * 4 for v in params.values())
+    sent = summaries[0]["comm_bytes_per_step"]
+    if "reshard_after_forward=false" in " ".join(settings) or name.startswith("gradients"):
+        assert 2 * whole / group + whole <= sent < 4 * whole / group + whole
+    else:
+        assert sent == pytest.approx(4 * whole / group + whole, rel=0.05)
     shard = summaries[0]["shard"]
     assert shard["units"]["count"] == 3 and shard["units"]["names"] == ["1", "2", "3"]
     group = 2 if name.startswith("hybrid") else world
@@ -188,3 +199,19 @@ def test_a_sharded_optimizer_checkpoint_is_refused_by_a_fully_sharded_run_in_one
     run_dir = _resume_from(straight, 3, tmp_path / "resumed")
     with pytest.raises(AssertionError, match="whose updater keeps state of its own"):
         run_workers(_train, 2, [*CHECKPOINTED, "parallel.shard=full"], run_dir, timeout=120)
+
+
+def test_bf16_computes_in_gathered_bf16_units_and_keeps_fp32_shards(tmp_path):
+    """FSDP's mixed precision, not autocast: the losses follow an autocast bf16 data-parallel run's
+    to bf16's precision, and the saved weights are the fp32 shards, gathered."""
+    bf16 = ["run.precision=bf16", "optim.max_steps=3"]
+    runs = {}
+    full = ["parallel.shard=full", "parallel.shard_reduce_dtype=bf16"]
+    for name, settings in (("none", []), ("full", full)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        run_workers(_train, 2, [*bf16, *settings], run_dir, timeout=120)
+        runs[name] = run_dir
+    assert _losses(runs["full"]) == pytest.approx(_losses(runs["none"]), rel=2e-3)
+    saved = torch.load(runs["full"] / "model.pt", weights_only=True)
+    assert all(value.dtype == torch.float32 for value in saved.values())

@@ -114,6 +114,9 @@ def _check_trace(run_dir: Path, rank: int, name: str) -> None:
         assert any(n.startswith("send") for n in names), sorted(names)
     if "tp2" in name:
         assert any(e["cat"] == "tp" for e in spans)
+    if "fully_sharded" in name:  # each unit's gathers and reduce-scatters, drawn where they ran
+        assert any(n.startswith("all-gather ") for n in names) and any(n.startswith("reduce-scatter ")
+                                                                      for n in names), sorted(names)[:20]
 
 
 @pytest.mark.timeout(600)

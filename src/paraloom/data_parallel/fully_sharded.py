@@ -29,6 +29,7 @@ against a bare `fully_shard` loop in the same run.
 from __future__ import annotations
 
 import fnmatch
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,11 +37,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from paraloom.comm.collectives import broadcast_coalesced
+from paraloom.comm.collectives import CommStats, broadcast_coalesced
 from paraloom.config.errors import UserError
+from paraloom.trace import Timeline
+
+try:  # torch >= 2.6 exports fully_shard here; 2.4 and 2.5 under _composable
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+try:  # the interfaces FSDPModule.set_custom_all_gather / set_custom_reduce_scatter take (torch >= 2.8)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - older torch: the collectives are not counted one by one
+    AllGather = ReduceScatter = None
 
 LEVELS = ("none", "optimizer", "gradients", "full", "hybrid")  # parallel.shard (config/choices.py)
 FULLY_SHARDED = ("gradients", "full", "hybrid")  # the levels `fully_shard` trains
@@ -195,6 +205,65 @@ def apply_sharding(model: nn.Module, units: list[tuple[str, nn.Module]], mesh: D
             if behind:
                 unit.set_modules_to_backward_prefetch(behind)
     return model
+
+
+def count_collectives(units: list[tuple[str, nn.Module]], root: nn.Module, stats: CommStats,
+                      timeline: Timeline | None) -> bool:
+    """Have every unit's (and the root's) all-gathers and reduce-scatters counted in `stats` (the
+    bytes this rank hands to them) and, on `timeline`, drawn as spans "all-gather NAME" and
+    "reduce-scatter NAME" on lane "comm", from issue to completion. False where torch offers no
+    such hook (torch < 2.8): nothing is counted then."""
+    if AllGather is None or not hasattr(root, "set_custom_all_gather"):
+        return False
+    for name, module in [*units, ("(root)", root)]:
+        module.set_custom_all_gather(_CountedAllGather(name, stats, timeline))
+        module.set_custom_reduce_scatter(_CountedReduceScatter(name, stats, timeline))
+    return True
+
+
+class _Counted:
+    """What the counted all-gather and reduce-scatter share: a buffer as torch's default allocates
+    it, the byte count, and a span that ends when the collective completes (gloo's completion
+    callback only notes the time: it issues nothing, DESIGN.md §3)."""
+
+    kind = ""
+
+    def __init__(self, name: str, stats: CommStats, timeline: Timeline | None) -> None:
+        self.name, self.stats, self.timeline = name, stats, timeline
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _issued(self, payload: torch.Tensor, work: Any, start: float) -> Any:
+        self.stats.add(payload.numel() * payload.element_size(), 0.0)
+        timeline = self.timeline
+        if timeline is not None and timeline.active:
+            label = f"{self.kind} {self.name}"
+            if work is None:
+                timeline.span(label, "comm", start, timeline.now())
+            else:
+                work.get_future().then(lambda _: timeline.span(label, "comm", start, timeline.now()))
+        return work
+
+
+class _CountedAllGather(_Counted, *((AllGather,) if AllGather is not None else ())):
+    kind = "all-gather"
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Any:
+        start = time.perf_counter()
+        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return self._issued(input_tensor, work, start)
+
+
+class _CountedReduceScatter(_Counted, *((ReduceScatter,) if ReduceScatter is not None else ())):
+    kind = "reduce-scatter"
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> Any:
+        start = time.perf_counter()
+        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return self._issued(input_tensor, work, start)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
+from paraloom.comm.collectives import CommStats
 from paraloom.config import Config
 from paraloom.config.errors import UserError
 from paraloom.data import DataSets
@@ -34,6 +35,7 @@ from paraloom.data_parallel.fully_sharded import (
     DTYPES,
     apply_sharding,
     broadcast_from_first,
+    count_collectives,
     describe,
     find_units,
     held_bytes,
@@ -79,6 +81,8 @@ class FullyShardedStrategy(Strategy):
         self.model = apply_sharding(model, self.units, self.mesh, level=par.shard,
                                     reshard_after_forward=par.reshard_after_forward, param_dtype=compute,
                                     reduce_dtype=reduce, prefetch=par.shard_prefetch)
+        self.stats = CommStats()
+        self.counted = count_collectives(self.units, self.model, self.stats, timeline)
         mark_no_decay(self.model, cfg.optim.no_decay, model_name=f"model.name={cfg.model.name}")
         self.recipe = Recipe(cfg, self.model.parameters(), total_steps=planned_steps(cfg, len(data.train)),
                              device=device, clip_group=shard_group(self.mesh))
@@ -87,19 +91,16 @@ class FullyShardedStrategy(Strategy):
         self.held: dict[str, int] = {}  # the most bytes this rank held, by kind (held_bytes)
 
     def _unit_bytes(self, model: torch.nn.Module, compute: torch.dtype | None) -> tuple[int, int]:
-        """(bytes a step's all-gathers bring this rank, bytes its reduce-scatters and all-reduces send),
-        counted from the units' sizes: ring collectives move (n - 1) / n of a tensor per rank."""
-        par, world = self.cfg.parallel, dist.get_world_size()
+        """(bytes a step's all-gathers are handed per micro-batch, bytes its reduce-scatters are handed),
+        from the model's size, where torch has no per-collective hook (`count_collectives`): a gather
+        takes this rank's shard, a reduce-scatter the whole gradient."""
+        par = self.cfg.parallel
         numel = sum(p.numel() for p in model.parameters())
         element = (compute or torch.float32).itemsize
         reduce_element = DTYPES[par.shard_reduce_dtype].itemsize if compute is not None else 4
-        shards = world if par.shard != "hybrid" else self.mesh.size(1)
-        replicas = world // shards
+        shards = self.mesh.size(self.mesh.ndim - 1)
         regathered = par.reshard_after_forward and par.shard != "gradients"
-        gathers = (1 + regathered) * numel * element * (shards - 1) // shards
-        reduced = numel * reduce_element * (shards - 1) // shards
-        reduced += 2 * (numel // shards) * reduce_element * (replicas - 1) // replicas  # hybrid's all-reduce
-        return gathers, reduced
+        return (1 + regathered) * -(-numel // shards) * element, numel * reduce_element
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
@@ -119,8 +120,9 @@ class FullyShardedStrategy(Strategy):
             self._note_held()
         self.optimizer.zero_grad(set_to_none=True)
         own_skip = recipe.after_step(stepped)
-        gathers, reduced = self.sizes
-        self.comm_bytes += gathers * len(pieces) + reduced
+        if not self.counted:  # torch offers no per-collective hook: the units' sizes tell
+            gathers, reduced = self.sizes
+            self.comm_bytes += gathers * len(pieces) + reduced
         update = time.perf_counter() - began - computed
         # FSDP's gathers and reduce-scatters overlap the compute they sit in: not told apart here
         terms = {"compute": computed, "communication": 0.0, "codec": 0.0, "update": update}
@@ -142,6 +144,10 @@ class FullyShardedStrategy(Strategy):
         return float(result.loss) / global_count
 
     def take_comm(self) -> tuple[int, float]:
+        """Bytes handed to the all-gathers and reduce-scatters (hybrid's all-reduce across groups not
+        counted); no seconds: they overlap the compute they sit in."""
+        if self.counted:
+            return self.stats.take().bytes, 0.0
         sent, self.comm_bytes = self.comm_bytes, 0
         return sent, 0.0
 
