@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from paraloom.comm.collectives import CommStats, broadcast_coalesced
+from paraloom.config.choices import FULLY_SHARDED
 from paraloom.config.errors import UserError
 from paraloom.trace import Timeline
 
@@ -52,8 +53,10 @@ try:  # the interfaces FSDPModule.set_custom_all_gather / set_custom_reduce_scat
 except ImportError:  # pragma: no cover - older torch: the collectives are not counted one by one
     AllGather = ReduceScatter = None
 
-LEVELS = ("none", "optimizer", "gradients", "full", "hybrid")  # parallel.shard (config/choices.py)
-FULLY_SHARDED = ("gradients", "full", "hybrid")  # the levels `fully_shard` trains
+# torch 2.13 renamed the flat collectives (the old names warn); releases before have only the old ones
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -252,7 +255,7 @@ class _CountedAllGather(_Counted, *((AllGather,) if AllGather is not None else (
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Any:
         start = time.perf_counter()
-        work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
         return self._issued(input_tensor, work, start)
 
 
@@ -262,7 +265,8 @@ class _CountedReduceScatter(_Counted, *((ReduceScatter,) if ReduceScatter is not
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> Any:
         start = time.perf_counter()
-        work = dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = _reduce_scatter_flat(output=output_tensor, input=input_tensor, op=op, group=group,
+                                    async_op=async_op)
         return self._issued(input_tensor, work, start)
 
 
