@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from paraloom.config.choices import MODELLED_ALGORITHMS, STRATEGY_ENTRIES
+from paraloom.config.choices import FULLY_SHARDED, MODELLED_ALGORITHMS, STRATEGY_ENTRIES
 from paraloom.config.errors import UserError
 from paraloom.config.rules import strategy_for
 from paraloom.config.yaml_io import merge
@@ -127,7 +127,7 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
     if emit is not None:
         emit_nodes = report["recommended"]["nodes"] if "recommended" in report else report["nodes"]
         emit.write_text(emit_config(model, hw, e, global_batch, emit_nodes, dtype=dtype, data=data,
-                                    base=base))
+                                    base=base, recompute=recompute))
         console.print(f"config: {emit} (run it with `paraloom train {emit}`)")
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=1) + "\n")
@@ -160,24 +160,28 @@ def profile_summary(profile, global_batch: int) -> dict[str, Any]:
 
 
 def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes: int, *,
-                dtype: str = "fp32", data: str | None = None, base: dict[str, Any] | None = None) -> str:
+                dtype: str = "fp32", data: str | None = None, base: dict[str, Any] | None = None,
+                recompute: str = "none") -> str:
     """A config `paraloom train` runs as it is: the model (zoo arguments, or a user's factory and
     options with the data set `data` names), the precision it was predicted at, the plan's choices.
     With `base` (a config as its user wrote it, `paraloom plan CONFIG`): that config, its model, data
-    and recipe kept, with the plan's sections laid over it and the batch planned for."""
+    and recipe kept, with the plan's sections laid over it and the batch planned for. A zoo GPT
+    predicted with `recompute` (not none) recomputes so in the config too: the plan fits only so."""
     notes: list[str] = []
     written = _written(base or {})
     if base is not None:
         config = merge(copy.deepcopy(base), {"data": {"batch_size": global_batch}})
     elif model.strip().partition(":")[0] in MODELS:
         model_cfg, data_cfg = _zoo_sections(model, global_batch, notes)
+        if recompute != "none" and model_cfg["name"] == "gpt":
+            model_cfg["recompute"] = recompute
         config = {"model": model_cfg, "data": data_cfg}
     else:
         model_cfg, data_cfg = _user_sections(model, data, global_batch)
         config = {"model": model_cfg, "data": data_cfg}
     sections = _plan_sections(e.plan, nodes, dtype)
     config = merge(config, sections)
-    strategy = strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp)
+    strategy = strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp, shard=e.plan.shard)
     unused = STRATEGY_ENTRIES[strategy].unused
     for key in sorted(written & _written(sections) - set(unused)):
         section, _, name = key.partition(".")
@@ -219,12 +223,16 @@ def _plan_sections(p: Plan, nodes: int, dtype: str) -> dict[str, Any]:
         "run": {"precision": dtype},  # an emitted plan trains at the precision it was predicted for
         "parallel": {"mode": "ps" if p.servers else "dp", "nproc": max(1, workers // nodes), "tp": p.tp,
                      "pp": p.pp, "microbatches": p.microbatches, "schedule": p.schedule,
-                     **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {})},
+                     **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {}),
+                     **({"shard": p.shard} if p.shard != "none" else {}),
+                     **({"shard_group": p.shard_group} if p.shard == "hybrid" else {})},
         "comm": {"scheduler": p.scheduler, "algorithm": p.algorithm, "compressor": p.compressor,
                  "sync": p.sync},
     }
     if p.servers:
         sections["ps"] = {"servers": p.servers, "consistency": p.consistency}
+    if p.shard in FULLY_SHARDED and p.microbatches > 1:  # whole replicas: micro-batches are accumulation
+        sections["optim"] = {"accumulate": p.microbatches}
     return sections
 
 

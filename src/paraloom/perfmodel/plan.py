@@ -10,10 +10,12 @@ from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
 from paraloom.config.choices import (
     ALL_REDUCE_ALGORITHMS,
     CONSISTENCY,
+    FULLY_SHARDED,
     MEMORY_LAYOUTS,
     MODELLED_ALGORITHMS,
     PIPELINE_SCHEDULES,
     SCHEDULERS,
+    SHARD_LEVELS,
 )
 from paraloom.config.errors import UserError
 from paraloom.config.rules import check_interleaving, check_name, check_parallel_layout
@@ -52,6 +54,10 @@ class Plan:
     # with ps_node_sum: the servers run on the workers' nodes, one a node, sharing their NICs (as the
     # TensorFlow benchmarks' ps tasks did); priced, not run by paraloom
     ps_colocated: bool = False
+    # what data parallelism shards (parallel.shard): none, optimizer (ZeRO-1), gradients, full, hybrid
+    # (cost/sharding.py prices the last three, which train only with tp = pp = 1)
+    shard: str = "none"
+    shard_group: int = 0  # hybrid: ranks sharding one copy (0: a node's devices)
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -72,6 +78,13 @@ class Plan:
         if self.ps_colocated not in (True, False) or (self.ps_colocated and not self.ps_node_sum):
             raise UserError(f"plan ps_colocated={self.ps_colocated} must be true or false, and true only "
                             "with ps_node_sum (one pushing worker a node)")
+        check_name("plan shard", self.shard, SHARD_LEVELS)
+        if self.shard != "none" and (self.servers or self.tp > 1 or self.pp > 1 or self.sync != "sync"
+                                     or self.compressor != "none"):
+            raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes "
+                            "tp = pp = 1, no servers, sync=sync and no compressor")
+        if self.shard_group < 0 or (self.shard_group and self.shard != "hybrid"):
+            raise UserError(f"plan shard_group={self.shard_group} sizes hybrid sharding's groups")
         if self.sequence_parallel not in (True, False) or (self.sequence_parallel and self.tp == 1):
             raise UserError(f"plan sequence_parallel={self.sequence_parallel} must be true or false, and "
                             "true only with tp > 1 (it splits what tensor parallelism keeps whole)")
@@ -91,10 +104,14 @@ class Plan:
         if self.servers:
             parts.append(f"ps{self.servers} {self.consistency}" + " node-sum" * self.ps_node_sum
                          + " co-located" * self.ps_colocated)
+        elif self.shard in FULLY_SHARDED:
+            parts.append(f"{self.shard}{self.shard_group or ''}" if self.shard == "hybrid" else self.shard)
         elif self.dp > 1:
             parts.append(self.scheduler if self.sync == "sync" else self.sync)
             if self.algorithm not in ("ring", "native"):
                 parts.append(self.algorithm)
+            if self.shard == "optimizer":
+                parts.append("opt-shard")
         if self.compressor != "none":
             parts.append(self.compressor)
         return " ".join(parts)

@@ -62,6 +62,7 @@ def grids(world: int, profile: ModelProfile, hw: Hardware, global_batch: int) ->
                 choices = [m for m in choices if m >= pp] or [per_replica]
             for m in choices:
                 plans.append(Plan(dp=dp, tp=tp, pp=pp, microbatches=m))
+                plans += sharded(dp, tp, pp, m, hw)
                 # interleaved 1F1B where each stage can hold v chunks and micro-batches come in groups of pp
                 plans += [Plan(dp=dp, tp=tp, pp=pp, microbatches=m, schedule="interleaved_1f1b",
                                virtual_stages=v)
@@ -69,10 +70,26 @@ def grids(world: int, profile: ModelProfile, hw: Hardware, global_batch: int) ->
     return plans
 
 
+def sharded(dp: int, tp: int, pp: int, m: int, hw: Hardware) -> list[Plan]:
+    """The sharding levels paraloom trains on a grid (parallel.shard): the optimizer alone, and on
+    whole replicas (tp = pp = 1) gradients, full and, across nodes, hybrid (a node's devices shard
+    one copy)."""
+    if dp == 1 or tp > 1 or pp > 1:
+        return []
+    out = [Plan(dp=dp, microbatches=m, shard=level) for level in ("optimizer", "gradients", "full")]
+    node = hw.devices_per_node
+    if 1 < node < dp and dp % node == 0:
+        out.append(Plan(dp=dp, microbatches=m, shard="hybrid", shard_group=node))
+    return out
+
+
 def variants(base: Plan, *, exact_only: bool) -> list[Plan]:
-    """The data-parallel choices on a grid: scheduler, algorithm, then compressors, sync and servers."""
-    if base.dp == 1:
+    """The data-parallel choices on a grid: scheduler, algorithm, then compressors, sync and servers;
+    a fully sharded plan has none (its collectives are the units' gathers and reductions)."""
+    if base.dp == 1 or base.shard not in ("none", "optimizer"):
         return [base]
+    if base.shard == "optimizer":  # the sharded optimizer reduce-scatters in the engine's order
+        return [replace(base, scheduler=s) for s in SCHEDULERS if s != "priority"]
     out = [replace(base, scheduler=s, algorithm=a)
            for s, a in itertools.product(SCHEDULERS, ALL_REDUCE_ALGORITHMS) if a != "native"]
     if base.tp == 1 and base.pp == 1:
@@ -110,7 +127,10 @@ def rank(profile: ModelProfile, hw: Hardware, nodes: int, global_batch: int, *,
     dropped = len(bases) - len(fitting)
     seen = {e.plan for e in bases}
     out = list(fitting)
-    for base in fitting[:keep]:
+    # the variants of the best grids; sharding levels are grids of their own (they make plans fit that
+    # would not), so the best unsharded grids get their variants whatever sharding does
+    unsharded = [e for e in fitting if e.plan.shard == "none"][:keep]
+    for base in [*fitting[:keep], *(e for e in unsharded if e not in fitting[:keep])]:
         for plan in variants(base.plan, exact_only=exact_only):
             if plan in seen or plan.devices > world:
                 continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from paraloom.config.choices import FULLY_SHARDED
+from paraloom.perfmodel.cost.sharding import sharded_state
 from paraloom.perfmodel.model_profile import ModelProfile
 
 # Megatron tensor parallelism splits most of a transformer layer's activations but not all: per
@@ -59,13 +61,15 @@ def layout_state(part: ModelProfile, plan, layout: str, optimizer: str) -> dict[
     return {"weights": weight, "grads": grad, "optimizer": optimizer, "buffers": 0.0}
 
 
-def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> dict[str, float]:
-    """Bytes one device of `stage` holds, by kind."""
+def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts,
+                 shard_size: int = 1) -> dict[str, float]:
+    """Bytes one device of `stage` holds, by kind (`shard_size`: the ranks a fully sharded plan's
+    copy of the model is split over, cost/sharding.py)."""
     params = part.n_params / plan.tp
     weights = params * part.dtype_bytes  # fp32 weights; under autocast, the low-precision copies it makes
     grads = part.grad_bytes / plan.tp
     optimizer = part.optimizer_bytes(opts.optimizer) / plan.tp
-    if opts.shard_optimizer:
+    if opts.shard_optimizer or plan.shard == "optimizer":
         optimizer /= plan.dp
     buffers = params * 4.0 if plan.dp > 1 else 0.0  # the engine's fp32 buckets hold a gradient copy
     held = in_flight(plan.schedule, plan.microbatches, plan.pp, stage, plan.virtual_stages)
@@ -77,6 +81,8 @@ def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts) -> di
     state = {"weights": weights, "grads": grads, "optimizer": optimizer, "buffers": buffers}
     if opts.layout != "ddp":
         state = layout_state(part, plan, opts.layout, opts.optimizer)
+    elif plan.shard in FULLY_SHARDED:
+        state = sharded_state(part, plan, opts.optimizer, shard_size)
     return {**state, "activations": activations, "working": working}
 
 
@@ -97,9 +103,11 @@ def layout_peak(kinds: dict[str, float]) -> float:
 
 
 def stage_peaks(profile: ModelProfile, plan, stages: list[tuple[int, int]], micro: float,
-                opts) -> list[float]:
-    """A device's peak bytes in each stage of the plan (the fullest device is their max)."""
+                opts, shard_size: int = 1) -> list[float]:
+    """A device's peak bytes in each stage of the plan (the fullest device is their max). A fully
+    sharded plan's kinds are already those at its peak (units in flight): summed, as a layout's."""
     mixed = profile.dtype != "fp32"
-    kinds = [stage_memory(profile.slice(start, stop), plan, k, micro, opts) for k, (start, stop) in
-             enumerate(stages)]
-    return [layout_peak(k) if opts.layout != "ddp" else peak_bytes(k, mixed) for k in kinds]
+    kinds = [stage_memory(profile.slice(start, stop), plan, k, micro, opts, shard_size)
+             for k, (start, stop) in enumerate(stages)]
+    summed = opts.layout != "ddp" or plan.shard in FULLY_SHARDED
+    return [layout_peak(k) if summed else peak_bytes(k, mixed) for k in kinds]

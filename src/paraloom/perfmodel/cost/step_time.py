@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 
+from paraloom.config.choices import FULLY_SHARDED
 from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost import overlap
 from paraloom.perfmodel.cost.compression import codec_time, compressed_bytes, compressed_sync_time
@@ -21,6 +22,7 @@ from paraloom.perfmodel.cost.memory import stage_peaks
 from paraloom.perfmodel.cost.network import allreduce_time, group_allreduce_time, group_link, p2p_time
 from paraloom.perfmodel.cost.ps_sync import ps_bsp_sync
 from paraloom.perfmodel.cost.queueing import asp_cycle
+from paraloom.perfmodel.cost.sharding import shard_group, sharded_sync
 from paraloom.perfmodel.cost.storage import READ_BANDWIDTH, read_seconds
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.model_profile import ModelProfile
@@ -141,9 +143,17 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     start, stop = max(stages, key=lambda r: profile.slice(*r).n_params)
     grad_bytes = profile.slice(start, stop).n_params * 4.0 / plan.tp  # gradients reduce in fp32
     update = update_seconds(profile.slice(start, stop), hw, plan.tp, opts.optimizer) * slow
-    if opts.shard_optimizer:
+    shards = shard_group(plan, hw.devices_per_node) if plan.shard in FULLY_SHARDED else 1
+    if opts.shard_optimizer or plan.shard == "optimizer":
         update /= plan.dp
-    dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
+    if plan.shard in FULLY_SHARDED:  # each unit's gathers and reductions, overlapping compute
+        update /= shards
+        link = dp_link(hw, plan) if plan.shard != "hybrid" else \
+            group_link(shards, hw.devices_per_node, hw.intra, hw.inter)
+        dp_exposed, dp_total = sharded_sync(profile, plan, sum(fwd) * m, sum(bwd) * m, link, hw.inter,
+                                            shards, m)
+    else:
+        dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
     # the batch's copy to the device: host to device where calibrated, at memory bandwidth otherwise
     loading = hw.constants.get("copy_bandwidth.h2d", hw.device.mem_bandwidth)
@@ -185,7 +195,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         # asynchronous workers each run at their own pace: the slow one adds its share only
         fast = (plan.dp - 1) / plan.dp * global_batch / step
         samples = fast + global_batch / plan.dp / (step + (opts.straggler - 1) * pipeline)
-    per_stage = stage_peaks(profile, plan, stages, micro, opts)
+    per_stage = stage_peaks(profile, plan, stages, micro, opts, shards)
     memory = max(per_stage)
     terms = {k: v for k, v in breakdown.items() if k != "dp_comm_total"}
     phases = {"forward": sum(fwd) / plan.pp * m, "backward": sum(bwd) / plan.pp * m, "update": update}
@@ -203,7 +213,8 @@ def _flag_guard(plan: Plan, opts: Options) -> bool:
     has no guard."""
     if not opts.guard or plan.dp == 1 or plan.servers:
         return False
-    plain = plan.scheduler != "priority" and plan.sync == "sync" and not opts.shard_optimizer
+    plain = plan.scheduler != "priority" and plan.sync == "sync" and not opts.shard_optimizer \
+        and plan.shard == "none"  # sharded runs check their shards and all-reduce a flag
     return not (plain and plan.compressor in ("none", *WIRE_DTYPE) and plan.tp == 1 and plan.pp == 1)
 
 

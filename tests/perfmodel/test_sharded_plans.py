@@ -1,0 +1,103 @@
+"""The planner prices and emits the sharding levels paraloom trains (parallel.shard): memory per rank
+shrinks with the level, the gathers cost what the links say, and a Llama-3-70B-shaped model, which
+fits no unsharded plan, gets a fully sharded one whose config validates and, scaled down, trains."""
+
+import pytest
+import torch
+import yaml
+from distributed import run_workers
+
+from paraloom.cli import main
+from paraloom.config import Config, load_config
+from paraloom.config.errors import UserError
+from paraloom.perfmodel.cost.memory import stage_memory
+from paraloom.perfmodel.cost.step_time import estimate
+from paraloom.perfmodel.hardware import load_hardware
+from paraloom.perfmodel.measure.profile import profile_model
+from paraloom.perfmodel.plan import Options, Plan
+from paraloom.perfmodel.planner import grids, variants
+from paraloom.train import train
+
+GPT = "gpt:layers=8,hidden=256,heads=4,seq=64"
+LLAMA_70B = "gpt:layers=80,hidden=8192,heads=64,seq=8192,vocab=128256"
+
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # import torch._dynamo once, before forking
+
+
+def _state(kinds):
+    return kinds["weights"] + kinds["grads"] + kinds["optimizer"] + kinds["buffers"]
+
+
+def test_a_rank_holds_its_shards_and_the_units_in_flight():
+    profile = profile_model(GPT)
+    opts, n = Options(optimizer="adam"), profile.n_params
+    unit = max(layer.param_count for layer in profile.layers)
+    plain = _state(stage_memory(profile, Plan(dp=4), 0, 8, opts))
+    assert plain == pytest.approx(n * (4 + 4 + 8 + 4))  # weights, gradients, Adam, the engine's bucket
+    assert _state(stage_memory(profile, Plan(dp=4, shard="optimizer"), 0, 8, opts)) == \
+        pytest.approx(n * (4 + 4 + 8 / 4 + 4))
+    full = _state(stage_memory(profile, Plan(dp=4, shard="full"), 0, 8, opts, shard_size=4))
+    # fp32 shards of everything, three units' parameters in flight (computing, its gather, the prefetched
+    # one's) and a unit's gradient with its reduce-scatter input
+    assert full == pytest.approx(n * 16 / 4 + unit * 4 * 3 + unit * 4 * 2)
+    gradients = _state(stage_memory(profile, Plan(dp=4, shard="gradients"), 0, 8, opts, shard_size=4))
+    assert gradients == pytest.approx(n * 16 / 4 + (n + unit) * 4 + unit * 4 * 2)
+    assert full < gradients < plain
+
+
+def test_fully_sharded_steps_pay_three_model_sizes_on_the_link_and_hybrid_keeps_them_in_a_node():
+    profile = profile_model(GPT)
+    hw = load_hardware("h100-ib-ndr")
+    opts = Options(optimizer="adam")
+    ddp = estimate(profile, hw, Plan(dp=16), 64, opts)
+    full = estimate(profile, hw, Plan(dp=16, shard="full"), 64, opts)
+    hybrid = estimate(profile, hw, Plan(dp=16, shard="hybrid", shard_group=8), 64, opts)
+    kept = estimate(profile, hw, Plan(dp=16, shard="gradients"), 64, opts)
+    # two gathers and a reduce-scatter against the all-reduce's reduce-scatter and gather
+    assert full.breakdown["dp_comm_total"] > ddp.breakdown["dp_comm_total"]
+    assert kept.breakdown["dp_comm_total"] < full.breakdown["dp_comm_total"]  # one gather, not two
+    assert hybrid.breakdown["dp_comm_total"] < full.breakdown["dp_comm_total"]  # gathers over NVLink
+    assert full.memory_bytes < hybrid.memory_bytes < ddp.memory_bytes
+    assert full.breakdown["update"] == pytest.approx(ddp.breakdown["update"] / 16)
+    assert full.plan.label() == "dp16 full" and hybrid.plan.label() == "dp16 hybrid8"
+
+
+def test_the_planner_offers_every_level_on_whole_replicas_and_none_on_split_ones():
+    profile = profile_model(GPT)
+    plans = grids(16, profile, load_hardware("h100-ib-ndr"), 64)
+    levels = {p.shard for p in plans if p.tp == p.pp == 1 and p.dp == 16}
+    assert levels == {"none", "optimizer", "gradients", "full", "hybrid"}
+    assert all(p.shard == "none" for p in plans if p.tp > 1 or p.pp > 1)
+    assert variants(Plan(dp=16, shard="full"), exact_only=False) == [Plan(dp=16, shard="full")]
+    with pytest.raises(UserError, match="takes tp = pp = 1"):
+        Plan(dp=4, tp=2, shard="full")
+    with pytest.raises(UserError, match="plan shard"):
+        Plan(dp=4, shard="zero3")
+
+
+def test_a_70b_model_that_no_unsharded_plan_fits_gets_a_sharded_plan_that_trains_scaled_down(tmp_path):
+    out = tmp_path / "70b.yaml"
+    assert main(["plan", "--model", LLAMA_70B, "--cluster", "h100-ib-ndr", "--nodes", "8,16",
+                 "--global-batch", "512", "--dtype", "bf16", "--recompute", "full", "--exact-only",
+                 "--emit", str(out)]) == 0
+    cfg = load_config(str(out), [])
+    assert cfg.parallel.shard in ("full", "hybrid") and cfg.model.recompute == "full"
+    nodes = int(out.read_text().split(" on ", 1)[1].split(" x ", 1)[0])
+    cfg.validate_world(nodes * cfg.parallel.nproc)
+    # the same config, the model at the same ratios a thousand times thinner (head size 128 kept),
+    # on the 2 processes this machine has
+    raw = yaml.safe_load(out.read_text())
+    raw["model"].update(n_layers=2, d_model=256, n_heads=2)
+    raw["data"].update(seq_len=32, batch_size=8, text_bytes=20000)
+    raw["parallel"]["nproc"] = 2
+    raw["parallel"].pop("shard_group", None)  # hybrid: shards inside a node's 2 ranks then
+    raw["optim"] = {**raw.get("optim", {}), "max_steps": 2}
+    raw["run"] = {**raw.get("run", {}), "checkpoint_every": 0, "save_model": False}
+    small = Config.from_dict(raw)
+    summaries = run_workers(_train, 2, small, tmp_path, timeout=120)
+    assert summaries[0]["steps"] == 2 and summaries[0]["shard"]["level"] == cfg.parallel.shard
+
+
+def _train(rank, world, cfg, run_dir):
+    cfg.validate_world(world)
+    return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
