@@ -243,3 +243,14 @@ def test_parameter_servers_are_host_processes_not_devices(capsys):
     ranked = rank(profile_model("mlp"), load_hardware("v100-25gbe"), 1, 256)
     assert any(e.plan.servers and e.plan.dp == 8 for e in ranked.estimates)
     assert all(e.plan.devices <= 8 for e in ranked.estimates)
+
+
+def test_a_whole_replicas_micro_batches_are_emitted_as_accumulation(tmp_path):
+    """The plan was priced with its micro-batches' activations; the run must accumulate as many."""
+    out = tmp_path / "dp.yaml"
+    assert main(["plan", "--model", "gpt:layers=4,hidden=64,heads=4,seq=32", "--cluster", "h100-ib-ndr",
+                 "--nodes", "1", "--global-batch", "64", "--plan", "dp=8,microbatches=4",
+                 "--emit", str(out)]) == 0
+    cfg = load_config(str(out), [])
+    assert cfg.strategy == "data_parallel" and cfg.optim.accumulate == 4
+    cfg.validate_world(8)
