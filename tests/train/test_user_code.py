@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 from paraloom.config import load_config
 from paraloom.data import DataSets, ShardedBatchSampler
-from paraloom.optim import LAMB
+from paraloom.optim import LAMB, LARS
 from paraloom.train import train
 
 VOCAB, SEQ, D, HEADS, N_SAMPLES = 32, 8, 16, 4, 70
@@ -143,7 +143,7 @@ def _factor(step):
     return 0.5 * (1.0 + math.cos(math.pi * (step - WARMUP) / (STEPS - WARMUP)))
 
 
-def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0, ema=None):
+def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0, ema=None, options=None):
     """One process, plain torch (paraloom's LAMB, tested against the paper elsewhere): per-step mean
     losses, the gradient norms before clipping, and the final parameters. `no_decay`: names of
     parameters in a group of their own without weight decay, as a user's script would write it;
@@ -151,13 +151,13 @@ def reference(optimizer_name="adamw", no_decay=(), smoothing=0.0, ema=None):
     final state is returned fourth."""
     torch.manual_seed(0)
     model, data = make_model(), make_data()
-    make = {"adamw": torch.optim.AdamW, "lamb": LAMB}[optimizer_name]
+    make = {"adamw": torch.optim.AdamW, "lamb": LAMB, "lars": LARS}[optimizer_name]
     params = model.parameters()
     if no_decay:
         named = list(model.named_parameters())
         params = [{"params": [p for n, p in named if n not in no_decay]},
                   {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
-    optimizer = make(params, lr=LR, weight_decay=WD, eps=EPS)
+    optimizer = make(params, lr=LR, weight_decay=WD, eps=EPS, **(options or {}))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
     averaged = None if ema is None else torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(ema), use_buffers=True)
@@ -241,6 +241,22 @@ def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, 
     world, overrides = STRATEGIES[name]
     plan = TP_PLAN if "parallel.tp=2" in overrides else None
     run_workers(_train, world, [*overrides, "optim.name=lamb"], tmp_path, plan, timeout=120)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert_close([row["loss"] for row in logged], losses, **TOL)
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    for key, value in params.items():
+        assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_lars_trust_ratios_are_of_whole_tensors_on_fully_sharded_row_blocks(tmp_path):
+    """LARS (momentum 0.9, the config's) on the shards of a fully sharded run: each tensor's ratio is of
+    the whole tensor, its row blocks' squared norms summed over the sharding group (optim/trust.py).
+    eta 1 (not LARS's 1e-3) so that the ratios move the weights by a percent a step: a ratio of a
+    shard's own norms would then show (checked: with the shards' sums kept local, this test fails)."""
+    losses, _, params = reference("lars", options={"eta": 1.0})
+    world, overrides = STRATEGIES["dp2_full"]
+    run_workers(_train, world, [*overrides, "optim.name=lars", "optim.options.eta=1.0"], tmp_path, None,
+                timeout=120)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert_close([row["loss"] for row in logged], losses, **TOL)
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
