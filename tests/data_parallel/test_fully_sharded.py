@@ -91,6 +91,8 @@ def test_sharding_settings_that_cannot_run_are_refused_in_one_line():
         ("parallel.shard=full", "comm.compressor=topk"): "does not use comm.compressor=topk",
         ("parallel.shard=zero3",): "parallel.shard",
         ("parallel.shard_units=Block",): "does not use parallel.shard_units=Block",
+        ("parallel.shard_accumulate=sharded",): "does not use parallel.shard_accumulate=sharded",
+        ("parallel.shard=full", "parallel.shard_accumulate=whole"): "parallel.shard_accumulate",
     }
     for settings, message in cases.items():
         with pytest.raises(UserError, match=message):
@@ -124,6 +126,8 @@ LEVELS = {  # name: (ranks, settings)
     "full_dp4": (4, ["parallel.shard=full", "parallel.shard_prefetch=2"]),
     "hybrid_2x2": (4, ["parallel.shard=hybrid", "parallel.shard_group=2"]),
     "gradients_dp2": (2, ["parallel.shard=gradients"]),
+    # each micro-batch reduce-scatters into the shards (parallel.shard_accumulate=sharded)
+    "full_dp2_sum_sharded": (2, ["parallel.shard=full", "parallel.shard_accumulate=sharded"]),
 }
 
 
@@ -140,14 +144,15 @@ def test_the_gpt_trains_fully_sharded_as_one_process_does(name, one_process, tmp
     # counted one collective at a time: per step, each gather takes a shard and each reduce-scatter a
     # whole gradient (the units' and the root's), in fp32; resharded after forward, a unit is gathered
     # in forward and backward of both micro-batches; kept, at least in each forward (the root was seen
-    # gathered once more: bounded, not pinned)
+    # gathered once more: bounded, not pinned); summed sharded, both micro-batches reduce-scatter
     group = 2 if name.startswith("hybrid") else world
     whole = sum(v.numel() * 4 for v in params.values())
+    reduced = whole * (2 if "shard_accumulate=sharded" in settings[-1] else 1)
     sent = summaries[0]["comm_bytes_per_step"]
     if "reshard_after_forward=false" in " ".join(settings) or name.startswith("gradients"):
-        assert 2 * whole / group + whole <= sent < 4 * whole / group + whole
+        assert 2 * whole / group + reduced <= sent < 4 * whole / group + reduced
     else:
-        assert sent == pytest.approx(4 * whole / group + whole, rel=0.05)
+        assert sent == pytest.approx(4 * whole / group + reduced, rel=0.05)
     shard = summaries[0]["shard"]
     assert shard["units"]["count"] == 3 and shard["units"]["names"] == ["1", "2", "3"]
     group = 2 if name.startswith("hybrid") else world

@@ -37,11 +37,25 @@ def test_a_rank_holds_its_shards_and_the_units_in_flight():
     assert _state(stage_memory(profile, Plan(dp=4, shard="optimizer"), 0, 8, opts)) == \
         pytest.approx(n * (4 + 4 + 8 / 4 + 4))
     full = _state(stage_memory(profile, Plan(dp=4, shard="full"), 0, 8, opts, shard_size=4))
-    # fp32 shards of everything, three units' parameters in flight (computing, its gather, the prefetched
-    # one's) and a unit's gradient with its reduce-scatter input
-    assert full == pytest.approx(n * 16 / 4 + unit * 4 * 3 + unit * 4 * 2)
+    # fp32 shards (parameters 1, Adam 2 a quarter-model's n); forward: three units' parameters in flight
+    # (computing, its gather, the prefetched one's); backward: the gradient shards, a unit's parameters,
+    # its gradient and the reduce-scatter input; both 4n + 12 units here
+    assert full == pytest.approx(n + 2 * n + n * 4 / 4 + unit * 4 * 3)
     gradients = _state(stage_memory(profile, Plan(dp=4, shard="gradients"), 0, 8, opts, shard_size=4))
-    assert gradients == pytest.approx(n * 16 / 4 + (n + unit) * 4 + unit * 4 * 2)
+    # backward's start: every unit gathered, a unit's gradient and its reduce-scatter input
+    assert gradients == pytest.approx(n + 2 * n + n * 4 + unit * 4 * 2)
+    kept = _state(stage_memory(profile, Plan(dp=4, shard="full"), 0, 8,
+                               Options(optimizer="adam", reshard_after_forward=False), shard_size=4))
+    assert kept == pytest.approx(gradients)
+    # accumulating 2 micro-batches: the whole model's unsharded gradients from the second forward on,
+    # or (sum-sharded) only their shards
+    summed = _state(stage_memory(profile, Plan(dp=4, microbatches=2, shard="full"), 0, 8, opts, shard_size=4))
+    assert summed == pytest.approx(n + 2 * n + n * 4 + unit * 4 * 3)
+    sharded = Plan(dp=4, microbatches=2, shard="full", shard_accumulate="sharded")
+    assert _state(stage_memory(profile, sharded, 0, 8, opts, shard_size=4)) == pytest.approx(full)
+    assert sharded.label() == "dp4 m2 full sum-sharded"
+    with pytest.raises(UserError, match="shard_accumulate"):
+        Plan(dp=4, shard="full", shard_accumulate="sharded")
     assert full < gradients < plain
 
 

@@ -14,7 +14,7 @@ of the local shards, one all-reduce, no DTensor dispatch; "paraloom_no_prefetch"
 figure is the slowest rank's median step, and the ratio paraloom / fully_shard is taken round by
 round. `held` measures, one variant at a time, the bytes of parameters, gradients and optimizer
 state a rank holds after a step (its shards, or whole tensors), and the most of those plus their
-gather and reduction buffers alive at once during a step (`_StateWatch`).
+gather and reduction buffers alive at once during a step, in all and by phase (`_StateWatch`);
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def _config(options: dict[str, Any], level: str, prefetch: int = 1):
         f"model.n_layers={shape['layers']}", f"data.batch_size={options['batch']}",
         "optim.name=adamw", "optim.lr=0.0003", "optim.clip_norm=1.0", f"parallel.shard={level}",
         f"parallel.shard_prefetch={prefetch}",
-        f"parallel.reshard_after_forward={str(options.get('reshard_after_forward', True)).lower()}"])
+        f"parallel.reshard_after_forward={str(options.get('reshard_after_forward', True)).lower()}",
+        f"optim.accumulate={options.get('accumulate', 1)}",
+        f"parallel.shard_accumulate={options.get('shard_accumulate', 'unsharded')}"])
 
 
 def _build(variant: str, options: dict[str, Any], level: str = "full"):
@@ -180,6 +182,7 @@ def held(options: dict[str, Any], save=None) -> dict[str, Any]:
         counts["total"] = counts["params"] + counts["grads"] + counts["optimizer"]
         counts["peak_state"] = watch.peak
         counts["peak_state_by_kind"] = watch.peak_by_kind
+        counts["peak_state_by_phase"] = watch.phases
         out[name] = counts
         if save is not None:
             save(out)
@@ -193,9 +196,10 @@ class _StateWatch:
     """The most bytes of model state alive at once during a step: torch's memory tracker
     (`torch.distributed._tools`: FSDPMemTracker for a fully sharded model, MemTracker otherwise)
     sorts every tensor allocated into parameters, gradients, optimizer state, all-gather and
-    reduce-scatter buffers, activations and temporaries; the state (all but activations, temporaries
-    and inputs) is read at every module's forward pre-hook and forward hook, every unit's backward
-    pre-hook and around the optimizer's step, and its largest sum kept."""
+    reduce-scatter buffers, activations and temporaries; after every operator it dispatches, the
+    state (all but activations, temporaries and inputs) is summed and its largest sum kept, overall
+    and per phase of the step: "forward" (from a forward's first module), "backward" (from a unit's
+    backward, or the loss's gradient) and "step" (the optimizer's)."""
 
     SKIPPED = ("Activation", "Temp", "Inputs", "Total")
 
@@ -209,14 +213,25 @@ class _StateWatch:
         else:
             self.tracker = MemTracker()
             self.tracker.track_external(model, optimizer)
-        self.peak, self.peak_by_kind = 0, {}
-        self.handles = [optimizer.register_step_pre_hook(self._read),
-                        optimizer.register_step_post_hook(self._read)]
+        self.peak, self.peak_by_kind, self.phase = 0, {}, "forward"
+        self.phases: dict[str, int] = {}
+        original = self.tracker._update_peak_stats  # called after every operator the tracker sees
+
+        def update(*args: Any) -> None:
+            original(*args)
+            self._read()
+
+        self.tracker._update_peak_stats = update
+        self.handles = [optimizer.register_step_pre_hook(self._enter("step")),
+                        model.register_forward_pre_hook(self._enter("forward"))]
         for module in model.modules():
-            self.handles.append(module.register_forward_pre_hook(self._read))
-            self.handles.append(module.register_forward_hook(self._read))
-            if isinstance(module, FSDPModule) and module is not model:  # a unit's backward gathers it
-                self.handles.append(module.register_full_backward_pre_hook(self._read))
+            self.handles.append(module.register_full_backward_pre_hook(self._enter("backward")))
+
+    def _enter(self, phase: str):
+        def hook(*_: Any) -> None:
+            self.phase = phase
+            self._read()
+        return hook
 
     def __enter__(self):
         self.tracker.__enter__()
@@ -225,13 +240,14 @@ class _StateWatch:
     def __exit__(self, *exc: Any) -> None:
         self.tracker.__exit__(*exc)
 
-    def _read(self, *_: Any) -> None:
-        snapshot = self.tracker.get_tracker_snapshot("current")
+    def _read(self) -> None:
+        snapshot = self.tracker._curr_mem_snap
         kinds = {str(getattr(k, "value", k)): v for device in snapshot.values() for k, v in device.items()
                  if str(getattr(k, "value", k)) not in self.SKIPPED}
         total = sum(kinds.values())
+        self.phases[self.phase] = max(total, self.phases.get(self.phase, 0))
         if total > self.peak:
-            self.peak, self.peak_by_kind = total, kinds
+            self.peak, self.peak_by_kind = total, {**kinds, "phase": self.phase}
 
     def close(self) -> None:
         for handle in self.handles:

@@ -25,6 +25,10 @@ PARALLEL_MODES = ("dp", "ps", "layers")  # data parallel (+ tp/pp hybrids), para
 SHARD_LEVELS = ("none", "optimizer", "gradients", "full", "hybrid")
 FULLY_SHARDED = ("gradients", "full", "hybrid")  # the levels torch's fully_shard trains
 SHARD_REDUCE_DTYPES = ("fp32", "bf16")  # parallel.shard_reduce_dtype: gradients' reduce-scatter dtype
+# parallel.shard_accumulate: where accumulation's micro-batches add up their gradients: unsharded (each
+# unit's whole gradient kept until the last micro-batch reduce-scatters it once: DDP's no_sync), or
+# sharded (every micro-batch reduce-scatters into the shards: m reductions, gradient memory 1/s)
+SHARD_ACCUMULATE = ("unsharded", "sharded")
 
 
 class StrategyEntry(NamedTuple):
@@ -51,7 +55,7 @@ _ENGINE = ("comm.sync", "comm.shard_optimizer", "comm.engine", "comm.algorithm",
            "comm.local_steps", "comm.local_warmup", "comm.delay_lr")
 _CODEC = ("comm.compressor", "comm.density", "comm.bits", "comm.lowrank")
 _SHARD = ("parallel.shard_units", "parallel.shard_group", "parallel.reshard_after_forward",
-          "parallel.shard_prefetch", "parallel.shard_reduce_dtype")
+          "parallel.shard_prefetch", "parallel.shard_reduce_dtype", "parallel.shard_accumulate")
 # strategy name -> its entry; paraloom.train.strategies imports each entry's module
 STRATEGY_ENTRIES = {
     "parameter_server": StrategyEntry(

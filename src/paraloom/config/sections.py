@@ -214,6 +214,9 @@ class ParallelConfig:
     shard_prefetch: int = 1  # units whose all-gather is issued while the one before them computes
     # bf16/fp16 runs: the dtype gradients are reduce-scattered in (parameters compute in run.precision)
     shard_reduce_dtype: str = _one_of(*choices.SHARD_REDUCE_DTYPES, default="fp32")
+    # optim.accumulate > 1: gradients add up unsharded, reduce-scattered on the last micro-batch (the whole
+    # model's gradients held meanwhile), or sharded, every micro-batch reduce-scattering into the shards
+    shard_accumulate: str = _one_of(*choices.SHARD_ACCUMULATE, default="unsharded")
 
     def __post_init__(self) -> None:
         for key in ("nproc", "tp", "pp", "microbatches", "virtual_stages"):

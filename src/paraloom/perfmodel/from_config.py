@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraloom.config import Config
-from paraloom.config.choices import AUTO_START_BUCKET_MB
+from paraloom.config.choices import AUTO_START_BUCKET_MB, FULLY_SHARDED
 from paraloom.config.errors import UserError
 from paraloom.config.rules import is_factory
 from paraloom.perfmodel.plan import Options, Plan
@@ -105,13 +105,17 @@ def predictable(cfg: Config, world: int) -> Predictable:
                 scheduler="wait_free" if comm.scheduler == "auto" else comm.scheduler,  # auto: contract.py
                 sync=comm.sync if comm.sync != "local_sgd" else "sync",
                 compressor=comm.compressor, algorithm=comm.algorithm,
-                servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp")
+                servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp",
+                shard=par.shard if not ps else "none",
+                shard_group=par.shard_group if par.shard == "hybrid" else 0,
+                shard_accumulate=par.shard_accumulate if par.shard in FULLY_SHARDED and micro > 1 else "unsharded")
     optimizer = optimizer_kind(cfg.optim.name, cfg.optim.options.get("momentum", cfg.optim.momentum))
     options = Options(optimizer=optimizer, first_bucket_mb=comm.first_bucket_mb,
                       bucket_mb=AUTO_START_BUCKET_MB if comm.bucket_mb == "auto" else comm.bucket_mb,
                       partition_mb=comm.partition_mb, credit_mb=comm.credit_mb,
                       ps_partition_mb=cfg.ps.partition_mb, shard_optimizer=comm.shard_optimizer,
-                      guard=cfg.guard.nan)
+                      guard=cfg.guard.nan, shard_prefetch=par.shard_prefetch,
+                      reshard_after_forward=par.reshard_after_forward)
     recompute = cfg.model.recompute if cfg.model.name == "gpt" else "none"
     data = cfg.data
     data_spec = factory_spec(data.name, data.options, "data.options") if is_factory(data.name) else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from paraloom.config import CommConfig, GuardConfig, OptimConfig, PSConfig
+from paraloom.config import CommConfig, GuardConfig, OptimConfig, ParallelConfig, PSConfig
 from paraloom.config.choices import (
     ALL_REDUCE_ALGORITHMS,
     CONSISTENCY,
@@ -15,12 +15,14 @@ from paraloom.config.choices import (
     MODELLED_ALGORITHMS,
     PIPELINE_SCHEDULES,
     SCHEDULERS,
+    SHARD_ACCUMULATE,
     SHARD_LEVELS,
 )
 from paraloom.config.errors import UserError
 from paraloom.config.rules import check_interleaving, check_name, check_parallel_layout
 
 _COMM, _GUARD, _OPTIM, _PS = CommConfig(), GuardConfig(), OptimConfig(), PSConfig()
+_PARALLEL = ParallelConfig()
 PRICED_SYNC_MODES = ("sync", "one_step_delay")  # of choices.SYNC_MODES, those priced here (not local SGD)
 SYNC_OVERHEAD = "sync_overhead_s"  # a synchronous multi-replica step's own cost (paraloom calibrate --from)
 # the priority scheduler's own costs (paraloom calibrate --from priority runs): a piece's past its
@@ -58,6 +60,9 @@ class Plan:
     # (cost/sharding.py prices the last three, which train only with tp = pp = 1)
     shard: str = "none"
     shard_group: int = 0  # hybrid: ranks sharding one copy (0: a node's devices)
+    # fully sharded with microbatches > 1: gradients add up unsharded (one reduction, the whole model's
+    # gradients held) or sharded (a reduction each micro-batch): parallel.shard_accumulate
+    shard_accumulate: str = "unsharded"
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -83,6 +88,10 @@ class Plan:
                                      or self.compressor != "none"):
             raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes "
                             "tp = pp = 1, no servers, sync=sync and no compressor")
+        check_name("plan shard_accumulate", self.shard_accumulate, SHARD_ACCUMULATE)
+        if self.shard_accumulate != "unsharded" and (self.shard not in FULLY_SHARDED or self.microbatches == 1):
+            raise UserError(f"plan shard_accumulate={self.shard_accumulate} takes a fully sharded plan "
+                            "(gradients, full, hybrid) with microbatches > 1")
         if self.shard_group < 0 or (self.shard_group and self.shard != "hybrid"):
             raise UserError(f"plan shard_group={self.shard_group} sizes hybrid sharding's groups")
         if self.sequence_parallel not in (True, False) or (self.sequence_parallel and self.tp == 1):
@@ -106,6 +115,8 @@ class Plan:
                          + " co-located" * self.ps_colocated)
         elif self.shard in FULLY_SHARDED:
             parts.append(f"{self.shard}{self.shard_group or ''}" if self.shard == "hybrid" else self.shard)
+            if self.shard_accumulate == "sharded":
+                parts.append("sum-sharded")
         elif self.dp > 1:
             parts.append(self.scheduler if self.sync == "sync" else self.sync)
             if self.algorithm not in ("ring", "native"):
@@ -147,6 +158,8 @@ class Options:
     ps_partition_mb: float = _PS.partition_mb  # a parameter server's shard travels as slices of at most this
     credit_mb: float = _COMM.credit_mb  # priority scheduler: bytes in flight at most (comm.credit_mb)
     shard_optimizer: bool = _COMM.shard_optimizer
+    shard_prefetch: int = _PARALLEL.shard_prefetch  # fully sharded: units gathered ahead
+    reshard_after_forward: bool = _PARALLEL.reshard_after_forward  # full/hybrid: gathered again for backward
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
     guard: bool = _GUARD.nan  # guard.nan: skip steps with NaN/Inf gradients (some updaters all-reduce a flag)
     layout: str = "ddp"  # a framework's memory layout (memory.layout_state): ddp (paraloom), megatron, zeroN

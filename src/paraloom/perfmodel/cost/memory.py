@@ -82,7 +82,8 @@ def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts,
     if opts.layout != "ddp":
         state = layout_state(part, plan, opts.layout, opts.optimizer)
     elif plan.shard in FULLY_SHARDED:
-        state = sharded_state(part, plan, opts.optimizer, shard_size)
+        state = sharded_state(part, plan, opts.optimizer, shard_size, prefetch=opts.shard_prefetch,
+                              reshard=opts.reshard_after_forward)
     return {**state, "activations": activations, "working": working}
 
 

@@ -10,11 +10,22 @@ unit's gather overlaps the previous unit's compute (prefetch), a reduce-scatter 
 units before it: what shows is the first unit's gather, the last unit's reduction, and whatever
 the collectives of a phase take beyond its compute.
 
-Memory (the mechanisms as torch's FSDP2 holds them; benchmarks/sharding.py measures them by kind):
-fp32 shards of parameters, gradients and optimizer state, 1/s each on a group of s ranks; in flight,
-the computing unit's gathered parameters in the compute dtype and the all-gather outputs of it and
-of the `prefetch` units ahead (`gradients`: every unit stays gathered from its forward to its
-backward); in backward, one unit's unsharded gradients and their reduce-scatter input in fp32.
+Accumulation's micro-batches (`plan.shard_accumulate`): "unsharded" reduce-scatters on the last one
+only (each unit's whole gradient kept meanwhile, as torch's `set_requires_gradient_sync(False)` keeps
+it), "sharded" reduce-scatters every micro-batch into the shards (m reductions).
+
+Memory (the mechanisms as torch's FSDP2 holds them; benchmarks/sharding.py measures them by kind,
+operator by operator): fp32 shards of parameters and optimizer state, 1/s each on a group of s
+ranks, all step; the peak is forward's or backward's, whichever holds more:
+- forward: the computing unit's gathered parameters (compute dtype) with the all-gather outputs of
+  it and of the `prefetch` units ahead; without resharding (`gradients`, `reshard_after_forward`
+  off) every unit gathered so far stays, the whole model by forward's end. From accumulation's
+  second micro-batch on, the gradients added up so far: the whole model's unsharded (fp32) or its
+  shards.
+- backward: one unit's unsharded gradient and the reduce-scatter input it is copied into (fp32),
+  with the gradient shards reduced so far and the unit's gathered parameters; without resharding
+  the whole model is gathered at backward's start (the gradients then not yet reduced), and with
+  unsharded accumulation every unit's whole gradient stays until its last reduction.
 """
 
 from __future__ import annotations
@@ -33,26 +44,40 @@ def shard_group(plan, devices_per_node: int) -> int:
     return min(plan.dp, plan.shard_group or devices_per_node)
 
 
-def sharded_state(part: ModelProfile, plan, optimizer: str, group: int) -> dict[str, float]:
-    """Bytes of training state one rank holds at its peak, by kind (memory.stage_memory's kinds)."""
+def sharded_state(part: ModelProfile, plan, optimizer: str, group: int, *, prefetch: int = PREFETCH,
+                  reshard: bool = True) -> dict[str, float]:
+    """Bytes of training state one rank holds at its peak (forward's or backward's), by kind
+    (memory.stage_memory's kinds); `reshard`: `parallel.reshard_after_forward`."""
     params = part.n_params
     compute = part.dtype_bytes  # units gather in the run's precision; shards stay fp32
     unit = max(layer.param_count for layer in part.layers)
-    if plan.shard == "gradients":  # every unit gathered from forward to backward, and one buffer
-        gathered = params * compute + unit * compute
-    else:  # the computing unit, and the all-gather outputs of it and of the prefetched ones
-        gathered = unit * compute * (2 + PREFETCH)
-    return {"weights": params * 4.0 / group + gathered,
-            "grads": params * 4.0 / group + 2 * unit * 4.0,  # a unit's unsharded gradient and its input
-            "optimizer": params * 4.0 * OPTIMIZER_STATES[optimizer] / group,
-            "buffers": 0.0}
+    shards = params * 4.0 / group
+    optimizer_bytes = params * 4.0 * OPTIMIZER_STATES[optimizer] / group
+    kept = plan.shard == "gradients" or not reshard  # every unit stays gathered from forward to backward
+    accumulating = plan.microbatches > 1
+    unsharded_sums = accumulating and plan.shard_accumulate == "unsharded"
+    # forward: the units gathered, and what earlier micro-batches' gradients left
+    gathered = params * compute + unit * compute if kept else unit * compute * (2 + prefetch)
+    summed = (params * 4.0 if unsharded_sums else shards) if accumulating else 0.0
+    forward = {"weights": shards + gathered, "grads": summed}
+    # backward: a unit's gradient and its reduce-scatter input, the shards reduced (or, accumulating
+    # unsharded, every unit's whole gradient), the gathered parameters (all of them at its start if kept)
+    if unsharded_sums:
+        backward = {"weights": shards + (params if kept else unit) * compute, "grads": params * 4.0 + unit * 4.0}
+    elif kept:  # at backward's start everything gathered, no shard reduced yet; at its end the reverse
+        backward = {"weights": shards + max(params * compute, unit * compute + shards),
+                    "grads": 2 * unit * 4.0}
+    else:
+        backward = {"weights": shards + unit * compute, "grads": shards + 2 * unit * 4.0}
+    peak = max(forward, backward, key=lambda kinds: sum(kinds.values()))
+    return {**peak, "optimizer": optimizer_bytes, "buffers": 0.0}
 
 
 def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_link, group: int,
-                 microbatches: int) -> tuple[float, float]:
+                 microbatches: int, *, reshard: bool = True) -> tuple[float, float]:
     """(exposed seconds, seconds on the links) of one step's gathers and reductions: `fwd` and `bwd`
     the step's forward and backward compute, `link` the sharding group's, `inter_link` the link
-    hybrid's replicas all-reduce over."""
+    hybrid's replicas all-reduce over, `reshard`: `parallel.reshard_after_forward`."""
     if group == 1 and plan.dp == 1:
         return 0.0, 0.0
     params, compute = part.n_params, part.dtype_bytes
@@ -62,9 +87,10 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     replicas = plan.dp // group
     if replicas > 1:
         reduce += allreduce_time(params * 4.0 / group, replicas, inter_link)
-    regather = plan.shard != "gradients"
+    regather = plan.shard != "gradients" and reshard
+    reductions = microbatches if plan.shard_accumulate == "sharded" else 1
     forward_comm = gather * microbatches
-    backward_comm = gather * microbatches * regather + reduce
+    backward_comm = gather * microbatches * regather + reduce * reductions
     first, last = gather * unit, reduce * unit  # nothing to overlap the first gather, the last reduction
     exposed = first + max(0.0, forward_comm - first - fwd) + last + max(0.0, backward_comm - last - bwd)
     return exposed, forward_comm + backward_comm

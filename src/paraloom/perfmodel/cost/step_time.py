@@ -151,7 +151,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         link = dp_link(hw, plan) if plan.shard != "hybrid" else \
             group_link(shards, hw.devices_per_node, hw.intra, hw.inter)
         dp_exposed, dp_total = sharded_sync(profile, plan, sum(fwd) * m, sum(bwd) * m, link, hw.inter,
-                                            shards, m)
+                                            shards, m, reshard=opts.reshard_after_forward)
     else:
         dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0

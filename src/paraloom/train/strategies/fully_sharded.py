@@ -3,7 +3,8 @@
 Every rank builds the model from the seed, takes rank 0's weights, and shards it unit by unit
 (data_parallel/fully_sharded.py) over the data-parallel ranks (hybrid: inside groups of
 `parallel.shard_group`, replicated across them). A step runs forward and backward on this rank's
-shard of the batch (accumulation's micro-batches reduce-scatter on the last one only), checks the
+shard of the batch (accumulation's micro-batches reduce-scatter on the last one only, or each into the
+shards: `parallel.shard_accumulate`), checks the
 gradient shards for NaN/Inf on every rank, and steps the optimizer on the shards: clipping sums
 the squared norms of the shards over the sharding group, and mixed precision is FSDP's (units
 gathered in bf16/fp16, fp32 shards and optimizer state). Checkpoints hold DTensors, which DCP
@@ -106,8 +107,10 @@ class FullyShardedStrategy(Strategy):
                    saving: bool) -> StepResult:
         began, recipe = time.perf_counter(), self.recipe
         pieces, loss_sum = chunks(x, y, recipe.accumulate), 0.0
+        deferred = self.cfg.parallel.shard_accumulate == "unsharded"
         for i, (xs, ys) in enumerate(pieces):
-            set_gradient_sync(self.model, i == len(pieces) - 1)  # reduce-scatter once, on the last
+            # unsharded: reduce-scatter once, on the last; sharded: every micro-batch, into the shards
+            set_gradient_sync(self.model, not deferred or i == len(pieces) - 1)
             loss, part = batch_loss(self.model, xs, ys, scale=scale, loss=self.data.loss,
                                     smoothing=self.cfg.optim.label_smoothing)
             recipe.backward(loss)
@@ -122,7 +125,8 @@ class FullyShardedStrategy(Strategy):
         own_skip = recipe.after_step(stepped)
         if not self.counted:  # torch offers no per-collective hook: the units' sizes tell
             gathers, reduced = self.sizes
-            self.comm_bytes += gathers * len(pieces) + reduced
+            reductions = len(pieces) if self.cfg.parallel.shard_accumulate == "sharded" else 1
+            self.comm_bytes += gathers * len(pieces) + reduced * reductions
         update = time.perf_counter() - began - computed
         # FSDP's gathers and reduce-scatters overlap the compute they sit in: not told apart here
         terms = {"compute": computed, "communication": 0.0, "codec": 0.0, "update": update}
