@@ -33,4 +33,8 @@ def test_sharding_benchmark_quick(tmp_path):
     assert summary["mem_ratio_no_prefetch_vs_fully_shard"] == pytest.approx(1.0, rel=0.01)
     assert 0.5 < summary["mem_ratio_vs_fully_shard"] < 1.5
     assert summary["step_ratio_vs_fully_shard_loopback"] > 0
-    assert summary["model_median_abs_err"] is None and summary["n_model_configs"] == 0
+    # the model's state at the peak beside the measured, variant by variant (the tiny model's units are
+    # a larger share of it than the benchmark's: loosely)
+    assert set(report["memory_model"]) == set(held)
+    assert summary["model_memory_max_abs_err"] < 0.3
+    assert summary["model_median_abs_err"] is None and summary["n_model_configs"] == 0  # needs root

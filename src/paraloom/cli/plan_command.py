@@ -226,7 +226,8 @@ def _plan_sections(p: Plan, nodes: int, dtype: str) -> dict[str, Any]:
                      **({"virtual_stages": p.virtual_stages} if p.virtual_stages > 1 else {}),
                      **({"shard": p.shard} if p.shard != "none" else {}),
                      **({"shard_group": p.shard_group} if p.shard == "hybrid" else {}),
-                     **({"shard_accumulate": p.shard_accumulate} if p.shard_accumulate != "unsharded" else {})},
+                     **({"shard_accumulate": p.shard_accumulate}
+                        if p.shard_accumulate != "unsharded" else {})},
         "comm": {"scheduler": p.scheduler, "algorithm": p.algorithm, "compressor": p.compressor,
                  "sync": p.sync},
     }

@@ -108,7 +108,8 @@ def predictable(cfg: Config, world: int) -> Predictable:
                 servers=cfg.ps.servers if ps else 0, consistency=cfg.ps.consistency if ps else "bsp",
                 shard=par.shard if not ps else "none",
                 shard_group=par.shard_group if par.shard == "hybrid" else 0,
-                shard_accumulate=par.shard_accumulate if par.shard in FULLY_SHARDED and micro > 1 else "unsharded")
+                shard_accumulate=par.shard_accumulate if par.shard in FULLY_SHARDED and micro > 1
+                else "unsharded")
     optimizer = optimizer_kind(cfg.optim.name, cfg.optim.options.get("momentum", cfg.optim.momentum))
     options = Options(optimizer=optimizer, first_bucket_mb=comm.first_bucket_mb,
                       bucket_mb=AUTO_START_BUCKET_MB if comm.bucket_mb == "auto" else comm.bucket_mb,

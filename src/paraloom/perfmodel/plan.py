@@ -89,7 +89,8 @@ class Plan:
             raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes "
                             "tp = pp = 1, no servers, sync=sync and no compressor")
         check_name("plan shard_accumulate", self.shard_accumulate, SHARD_ACCUMULATE)
-        if self.shard_accumulate != "unsharded" and (self.shard not in FULLY_SHARDED or self.microbatches == 1):
+        if self.shard_accumulate != "unsharded" and (self.shard not in FULLY_SHARDED
+                                                     or self.microbatches == 1):
             raise UserError(f"plan shard_accumulate={self.shard_accumulate} takes a fully sharded plan "
                             "(gradients, full, hybrid) with microbatches > 1")
         if self.shard_group < 0 or (self.shard_group and self.shard != "hybrid"):

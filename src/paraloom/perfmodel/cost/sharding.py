@@ -63,7 +63,8 @@ def sharded_state(part: ModelProfile, plan, optimizer: str, group: int, *, prefe
     # backward: a unit's gradient and its reduce-scatter input, the shards reduced (or, accumulating
     # unsharded, every unit's whole gradient), the gathered parameters (all of them at its start if kept)
     if unsharded_sums:
-        backward = {"weights": shards + (params if kept else unit) * compute, "grads": params * 4.0 + unit * 4.0}
+        backward = {"weights": shards + (params if kept else unit) * compute,
+                    "grads": params * 4.0 + unit * 4.0}
     elif kept:  # at backward's start everything gathered, no shard reduced yet; at its end the reverse
         backward = {"weights": shards + max(params * compute, unit * compute + shards),
                     "grads": 2 * unit * 4.0}
@@ -73,12 +74,27 @@ def sharded_state(part: ModelProfile, plan, optimizer: str, group: int, *, prefe
     return {**peak, "optimizer": optimizer_bytes, "buffers": 0.0}
 
 
+HOST_RATE = "shard_host.s_per_byte"  # a Hardware constant: the host's seconds per byte gathered or reduced
+
+
 def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_link, group: int,
-                 microbatches: int, *, reshard: bool = True) -> tuple[float, float]:
+                 microbatches: int, *, reshard: bool = True, host_rate: float = 0.0,
+                 blocking: bool = False) -> tuple[float, float]:
     """(exposed seconds, seconds on the links) of one step's gathers and reductions: `fwd` and `bwd`
     the step's forward and backward compute, `link` the sharding group's, `inter_link` the link
-    hybrid's replicas all-reduce over, `reshard`: `parallel.reshard_after_forward`."""
-    if group == 1 and plan.dp == 1:
+    hybrid's replicas all-reduce over, `reshard`: `parallel.reshard_after_forward`. `host_rate`: the
+    machinery's own seconds per byte of a unit gathered or reduced (copying each unit's parameters out
+    of the all-gather and its gradients into the reduce-scatter, the hooks, the DTensor steps), paid
+    by the computing thread and so never hidden; measured by a one-rank fully sharded run against a
+    plain one (`HOST_RATE` in a calibrated CPU profile; 0 where not measured). `blocking`: the
+    collectives hold up the computing thread (a CPU host's profile: torch's fully_shard overlaps its
+    gathers and reduce-scatters with compute through CUDA streams, and without them gloo's all-gather
+    and reduce-scatter return when done; issuing the gathers asynchronously, torch's
+    `_set_unshard_async_op`, moved a 2 x 1 Gbit/s `full` step by 1-4% on this 2-core machine), so
+    their whole time shows. This was chosen after benchmarks/sharding.py's quick run measured `full`
+    dp2 at 1 Gbit/s 35% slower than predicted with overlap (2026-12-07; that configuration is marked
+    `seen` in its report)."""
+    if group == 1 and plan.dp == 1 and not host_rate:
         return 0.0, 0.0
     params, compute = part.n_params, part.dtype_bytes
     unit = max(layer.param_count for layer in part.layers) / max(params, 1)
@@ -93,4 +109,8 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     backward_comm = gather * microbatches * regather + reduce * reductions
     first, last = gather * unit, reduce * unit  # nothing to overlap the first gather, the last reduction
     exposed = first + max(0.0, forward_comm - first - fwd) + last + max(0.0, backward_comm - last - bwd)
+    if blocking:
+        exposed = forward_comm + backward_comm
+    handled = params * compute * microbatches * (1 + regather) + params * 4.0 * reductions
+    exposed += handled * host_rate
     return exposed, forward_comm + backward_comm

@@ -22,7 +22,7 @@ from paraloom.perfmodel.cost.memory import stage_peaks
 from paraloom.perfmodel.cost.network import allreduce_time, group_allreduce_time, group_link, p2p_time
 from paraloom.perfmodel.cost.ps_sync import ps_bsp_sync
 from paraloom.perfmodel.cost.queueing import asp_cycle
-from paraloom.perfmodel.cost.sharding import shard_group, sharded_sync
+from paraloom.perfmodel.cost.sharding import HOST_RATE, shard_group, sharded_sync
 from paraloom.perfmodel.cost.storage import READ_BANDWIDTH, read_seconds
 from paraloom.perfmodel.hardware import Hardware
 from paraloom.perfmodel.model_profile import ModelProfile
@@ -151,7 +151,9 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         link = dp_link(hw, plan) if plan.shard != "hybrid" else \
             group_link(shards, hw.devices_per_node, hw.intra, hw.inter)
         dp_exposed, dp_total = sharded_sync(profile, plan, sum(fwd) * m, sum(bwd) * m, link, hw.inter,
-                                            shards, m, reshard=opts.reshard_after_forward)
+                                            shards, m, reshard=opts.reshard_after_forward,
+                                            host_rate=hw.constants.get(HOST_RATE, 0.0) * slow,
+                                            blocking="host_cores" in hw.constants)
     else:
         dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0

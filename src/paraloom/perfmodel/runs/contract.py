@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paraloom.config.choices import FULLY_SHARDED
+
 MIN_ROWS = 20  # steps measured after warm-up before a median is trusted enough to warn
 WINDOW = 4096  # the medians are the last so many steps' (a long run's memory stays flat)
 TERMS = ("compute", "data", "communication", "codec", "bubble", "update", "overhead")
@@ -57,7 +59,10 @@ def predicted_terms(estimate) -> dict[str, float]:
         terms["compute"], terms["update"] = b["compute"], 0.0
         terms["communication"] = max(0.0, estimate.step_s - sum(terms.values()))
     else:
-        terms["communication"] = b["dp_comm_exposed"]
+        # a fully sharded run's gathers and reduce-scatters sit inside its forward and backward, which
+        # it measures as compute (train/strategies/fully_sharded.py): their exposed time is compute here
+        sharded = estimate.plan.shard in FULLY_SHARDED
+        terms["communication"] = 0.0 if sharded else b["dp_comm_exposed"]
         terms["compute"] = estimate.step_s - sum(terms.values())  # the pipeline less its bubble
     return {term: terms[term] for term in TERMS}
 
@@ -241,7 +246,6 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     reads (the launcher's, for a run on an emulated cluster: its links measured across one)."""
     import json
 
-    from paraloom.config.choices import FULLY_SHARDED
     from paraloom.files import write_json
     from paraloom.perfmodel.hardware import load_hardware
     from paraloom.perfmodel.measure.machine_profile import cached_source, resolve_hardware
@@ -250,13 +254,8 @@ def load_or_predict(run_dir, cfg, workers: int, threads: int, device: str = "cpu
     if path.is_file():
         return json.loads(path.read_text())
     try:
-        sharded = cfg.parallel.shard in FULLY_SHARDED  # nothing to calibrate for a run it cannot price
-        hardware = None if sharded else \
-            load_hardware(cached) if cached else resolve_hardware(cfg.run.hardware, threads, device)
-        if sharded:
-            predicted = {"skipped": f"parallel.shard={cfg.parallel.shard}: the model does not price the "
-                                    "gathers and reduce-scatters of fully sharded runs yet"}
-        elif hardware is None:
+        hardware = load_hardware(cached) if cached else resolve_hardware(cfg.run.hardware, threads, device)
+        if hardware is None:
             predicted = {"skipped": "run.hardware=none" if cfg.run.hardware == "none" else
                          "no hardware profile of this machine yet: `paraloom train` makes one on first use"}
         else:
