@@ -83,7 +83,7 @@ def test_units_are_the_zoos_blocks_a_users_repeated_layers_or_what_the_config_na
 
 def test_sharding_settings_that_cannot_run_are_refused_in_one_line():
     cases = {
-        ("parallel.shard=full", "parallel.tp=2"): "does not compose with parallel.tp=2",
+        ("parallel.shard=full", "parallel.pp=2"): "does not compose with parallel.pp=2",
         ("parallel.shard=full", "parallel.mode=ps"): "takes parallel.mode=dp, not ps",
         ("parallel.shard=full", "parallel.shard_group=2"): "takes parallel.shard=hybrid, not full",
         ("parallel.shard=full", "comm.shard_optimizer=true"): "already shards the optimizer state",
@@ -128,6 +128,8 @@ LEVELS = {  # name: (ranks, settings)
     "gradients_dp2": (2, ["parallel.shard=gradients"]),
     # each micro-batch reduce-scatters into the shards (parallel.shard_accumulate=sharded)
     "full_dp2_sum_sharded": (2, ["parallel.shard=full", "parallel.shard_accumulate=sharded"]),
+    # 2-D: each tp rank's slices (the GPT's TP_PLAN) sharded over its 2 data-parallel ranks
+    "full_dp2_tp2": (4, ["parallel.shard=full", "parallel.tp=2"]),
 }
 
 
@@ -141,6 +143,9 @@ def test_the_gpt_trains_fully_sharded_as_one_process_does(name, one_process, tmp
     assert saved.keys() == params.keys()
     for key, value in params.items():
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    if "parallel.tp=2" in settings:  # a 2 x 2 mesh of data-parallel shards and tp slices
+        assert summaries[0]["shard"]["mesh"] == [2, 2]
+        return
     # counted one collective at a time: per step, each gather takes a shard and each reduce-scatter a
     # whole gradient (the units' and the root's), in fp32; resharded after forward, a unit is gathered
     # in forward and backward of both micro-batches; kept, at least in each forward (the root was seen
@@ -180,7 +185,9 @@ CHECKPOINTED = ["optim.max_steps=6", "run.checkpoint_every=3"]
     ((4, ["parallel.shard=full"]), (2, ["parallel.shard=full"])),
     ((4, ["parallel.shard=full"]), (2, [])),  # full -> none: the shards read whole
     ((2, []), (3, ["parallel.shard=full"])),  # none -> full: whole tensors sharded, unevenly
-], ids=["full_dp4_to_full_dp2", "full_dp4_to_none_dp2", "none_dp2_to_full_dp3"])
+    # the tp slices' shards read back over 1 data-parallel rank instead of 2
+    ((4, ["parallel.shard=full", "parallel.tp=2"]), (2, ["parallel.shard=full", "parallel.tp=2"])),
+], ids=["full_dp4_to_full_dp2", "full_dp4_to_none_dp2", "none_dp2_to_full_dp3", "full_dp2tp2_to_full_dp1tp2"])
 def test_a_checkpoint_goes_on_at_another_size_and_level_as_the_straight_run_would(saved, resumed, tmp_path):
     (saved_world, saved_settings), (world, settings) = saved, resumed
     straight = tmp_path / "straight"

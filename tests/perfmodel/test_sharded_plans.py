@@ -76,15 +76,28 @@ def test_fully_sharded_steps_pay_three_model_sizes_on_the_link_and_hybrid_keeps_
     assert full.plan.label() == "dp16 full" and hybrid.plan.label() == "dp16 hybrid8"
 
 
-def test_the_planner_offers_every_level_on_whole_replicas_and_none_on_split_ones():
+def test_the_planner_offers_every_level_on_whole_replicas_and_fully_sharded_tp_slices():
     profile = profile_model(GPT)
-    plans = grids(16, profile, load_hardware("h100-ib-ndr"), 64)
+    hw = load_hardware("h100-ib-ndr")
+    plans = grids(16, profile, hw, 64)
     levels = {p.shard for p in plans if p.tp == p.pp == 1 and p.dp == 16}
     assert levels == {"none", "optimizer", "gradients", "full", "hybrid"}
-    assert all(p.shard == "none" for p in plans if p.tp > 1 or p.pp > 1)
+    # tp slices shard over their data-parallel ranks (hybrid: a node's 8 devices hold 4 of them at tp2)
+    assert {p.shard for p in plans if p.tp == 2 and p.pp == 1 and p.dp == 8} == \
+        {"none", "gradients", "full", "hybrid"}
+    assert all(p.shard == "none" for p in plans if p.pp > 1)
     assert variants(Plan(dp=16, shard="full"), exact_only=False) == [Plan(dp=16, shard="full")]
-    with pytest.raises(UserError, match="takes tp = pp = 1"):
-        Plan(dp=4, tp=2, shard="full")
+    with pytest.raises(UserError, match="takes pp = 1"):
+        Plan(dp=4, pp=2, shard="full")
+    with pytest.raises(UserError, match="a fully sharded level"):
+        Plan(dp=4, tp=2, shard="optimizer")
+    # a tp2 rank gathers and holds half of what a whole replica's rank does
+    opts = Options(optimizer="adam")
+    whole = stage_memory(profile, Plan(dp=8, shard="full"), 0, 8, opts, shard_size=8)
+    split = stage_memory(profile, Plan(dp=8, tp=2, shard="full"), 0, 8, opts, shard_size=8)
+    assert _state(split) == pytest.approx(_state(whole) / 2)
+    e = estimate(profile, hw, Plan(dp=8, tp=2, shard="full"), 64, opts)
+    assert e.plan.label() == "dp8 tp2 full" and e.breakdown["tp_comm"] > 0
     with pytest.raises(UserError, match="plan shard"):
         Plan(dp=4, shard="zero3")
 

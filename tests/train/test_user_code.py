@@ -206,6 +206,7 @@ STRATEGIES = {  # name: (processes, settings)
     "dp2_shard_optimizer": (2, ["comm.shard_optimizer=true"]),
     "dp2_full": (2, ["parallel.shard=full"]),  # units: the ModuleList's blocks
     "dp4_hybrid": (4, ["parallel.shard=hybrid", "parallel.shard_group=2", "parallel.shard_units=Block,Head"]),
+    "dp2_tp2_full": (4, ["parallel.tp=2", "parallel.shard=full"]),  # the test's tp plan, then sharded
 }
 
 

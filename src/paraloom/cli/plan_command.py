@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from paraloom.config.choices import MODELLED_ALGORITHMS, STRATEGY_ENTRIES
+from paraloom.config.choices import FULLY_SHARDED, MODELLED_ALGORITHMS, STRATEGY_ENTRIES
 from paraloom.config.errors import UserError
 from paraloom.config.rules import strategy_for
 from paraloom.config.yaml_io import merge
@@ -233,9 +233,9 @@ def _plan_sections(p: Plan, nodes: int, dtype: str) -> dict[str, Any]:
     }
     if p.servers:
         sections["ps"] = {"servers": p.servers, "consistency": p.consistency}
-    if p.tp == 1 and p.pp == 1 and not p.servers and p.microbatches > 1:
-        # whole replicas: the plan's micro-batches are gradient accumulation (the data-parallel and
-        # fully sharded strategies have no parallel.microbatches)
+    if (p.tp == 1 or p.shard in FULLY_SHARDED) and p.pp == 1 and not p.servers and p.microbatches > 1:
+        # whole replicas or fully sharded tp slices: the plan's micro-batches are gradient accumulation
+        # (the data-parallel and fully sharded strategies have no parallel.microbatches)
         sections["optim"] = {"accumulate": p.microbatches}
     return sections
 

@@ -119,10 +119,10 @@ def check_sharding(*, shard: str, mode: str, tp: int, pp: int, shard_group: int,
     if shard in FULLY_SHARDED and mode != "dp":
         raise UserError(f"parallel.shard={shard} shards data-parallel replicas; it takes parallel.mode=dp, "
                         f"not {mode}")
-    if shard in FULLY_SHARDED and (tp > 1 or pp > 1):
-        raise UserError(f"parallel.shard={shard} does not compose with parallel.tp={tp} / parallel.pp={pp} "
-                        "so far; use parallel.shard=optimizer with tensor or pipeline parallelism, "
-                        "or tp=pp=1")
+    if shard in FULLY_SHARDED and pp > 1:
+        raise UserError(f"parallel.shard={shard} does not compose with parallel.pp={pp} so far; use "
+                        "parallel.shard=optimizer with pipeline parallelism, or pp=1 (tensor parallelism "
+                        "composes: parallel.tp)")
     if shard_group < 0 or shard_prefetch < 0:
         raise UserError("parallel.shard_group and parallel.shard_prefetch must not be negative "
                         "(shard_group 0: the ranks of a node)")

@@ -170,16 +170,26 @@ def _shares_parameters(model: nn.Module, unit: nn.Module) -> bool:
 
 # ---- the mesh and the wrapping ------------------------------------------------------------------------
 
-def shard_mesh(level: str, *, world_size: int, group_size: int, device_type: str) -> DeviceMesh:
-    """The device mesh `level` shards over: one dimension "shard" of every rank; for hybrid, ranks
-    in groups of `group_size` consecutive ranks (a node's), dims ("replicate", "shard")."""
+def shard_mesh(level: str, *, world_size: int, group_size: int, device_type: str, tp: int = 1) -> DeviceMesh:
+    """The device mesh `level` shards over: one dimension "shard" of the `world_size` data-parallel
+    ranks; for hybrid, ranks in groups of `group_size` consecutive ones (a node's), dims ("replicate",
+    "shard"). With `tp` > 1 a last dimension "tp" of consecutive ranks (paraloom's Topology: rank =
+    dp x tp + tp rank), whose groups split each layer by its tensor-parallel plan; `data_mesh` is the
+    rest, what fully_shard shards over."""
+    extra, names = ((tp,), ("tp",)) if tp > 1 else ((), ())
     if level != "hybrid":
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        return init_device_mesh(device_type, (world_size, *extra), mesh_dim_names=("shard", *names))
     if group_size < 1 or world_size % group_size:
         raise UserError(f"parallel.shard=hybrid shards inside groups of parallel.shard_group={group_size} "
                         f"ranks, which must divide the {world_size} data-parallel ranks")
-    return init_device_mesh(device_type, (world_size // group_size, group_size),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size // group_size, group_size, *extra),
+                            mesh_dim_names=("replicate", "shard", *names))
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of `shard_mesh`'s mesh that fully_shard shards (and hybrid replicates) over."""
+    names = [name for name in mesh.mesh_dim_names if name != "tp"]
+    return mesh if len(names) == mesh.ndim else mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
 def apply_sharding(model: nn.Module, units: list[tuple[str, nn.Module]], mesh: DeviceMesh, *, level: str,
@@ -276,9 +286,26 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled, recurse=True)
 
 
+def data_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The data-parallel ranks of this rank's tp slice: with hybrid the replicas' too (collective)."""
+    if "replicate" not in mesh.mesh_dim_names:
+        return mesh.get_group("shard")
+    columns = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).T if "tp" in mesh.mesh_dim_names \
+        else mesh.mesh.reshape(1, -1)
+    group, _ = dist.new_subgroups_by_enumeration([column.tolist() for column in columns])
+    return group
+
+
 def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The ranks that together hold the model once (a norm over the shards is summed over these)."""
-    return mesh.get_group("shard")
+    """The ranks that together hold the model once (a norm over the shards is summed over these): a
+    sharding group's, and with tensor parallelism its tp groups' too (collective: every rank calls it)."""
+    if "tp" not in mesh.mesh_dim_names:
+        return mesh.get_group("shard")
+    replicas = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 2) * mesh.size(mesh.ndim - 1))  # rows: copies
+    if len(replicas) == 1:
+        return dist.group.WORLD
+    group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in replicas])
+    return group
 
 
 @torch.no_grad()

@@ -57,7 +57,7 @@ class Plan:
     # TensorFlow benchmarks' ps tasks did); priced, not run by paraloom
     ps_colocated: bool = False
     # what data parallelism shards (parallel.shard): none, optimizer (ZeRO-1), gradients, full, hybrid
-    # (cost/sharding.py prices the last three, which train only with tp = pp = 1)
+    # (cost/sharding.py prices the last three, which train with pp = 1, tensor parallelism composing)
     shard: str = "none"
     shard_group: int = 0  # hybrid: ranks sharding one copy (0: a node's devices)
     # fully sharded with microbatches > 1: gradients add up unsharded (one reduction, the whole model's
@@ -84,10 +84,11 @@ class Plan:
             raise UserError(f"plan ps_colocated={self.ps_colocated} must be true or false, and true only "
                             "with ps_node_sum (one pushing worker a node)")
         check_name("plan shard", self.shard, SHARD_LEVELS)
-        if self.shard != "none" and (self.servers or self.tp > 1 or self.pp > 1 or self.sync != "sync"
-                                     or self.compressor != "none"):
-            raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes "
-                            "tp = pp = 1, no servers, sync=sync and no compressor")
+        split_optimizer = self.tp > 1 and self.shard == "optimizer"
+        if self.shard != "none" and (self.servers or self.pp > 1 or self.sync != "sync"
+                                     or self.compressor != "none" or split_optimizer):
+            raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes pp = 1, "
+                            "no servers, sync=sync and no compressor (and tp > 1 a fully sharded level)")
         check_name("plan shard_accumulate", self.shard_accumulate, SHARD_ACCUMULATE)
         if self.shard_accumulate != "unsharded" and (self.shard not in FULLY_SHARDED
                                                      or self.microbatches == 1):

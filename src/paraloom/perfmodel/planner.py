@@ -71,16 +71,18 @@ def grids(world: int, profile: ModelProfile, hw: Hardware, global_batch: int) ->
 
 
 def sharded(dp: int, tp: int, pp: int, m: int, hw: Hardware) -> list[Plan]:
-    """The sharding levels paraloom trains on a grid (parallel.shard): the optimizer alone, and on
-    whole replicas (tp = pp = 1) gradients, full and, across nodes, hybrid (a node's devices shard
-    one copy); with accumulation (m > 1) each fully sharded level both ways its gradients add up
-    (parallel.shard_accumulate: unsharded, one reduction; sharded, less memory and m reductions)."""
-    if dp == 1 or tp > 1 or pp > 1:
+    """The sharding levels paraloom trains on a grid (parallel.shard): on whole replicas (tp = pp = 1)
+    the optimizer alone, and without pipeline stages gradients, full and, across nodes, hybrid (a
+    node's data-parallel ranks shard one copy of their tp slices); with accumulation (m > 1) each
+    fully sharded level both ways its gradients add up (parallel.shard_accumulate: unsharded, one
+    reduction; sharded, less memory and m reductions)."""
+    if dp == 1 or pp > 1:
         return []
-    out = [Plan(dp=dp, microbatches=m, shard=level) for level in ("optimizer", "gradients", "full")]
-    node = hw.devices_per_node
+    levels = ("optimizer", "gradients", "full") if tp == 1 else ("gradients", "full")
+    out = [Plan(dp=dp, tp=tp, microbatches=m, shard=level) for level in levels]
+    node = hw.devices_per_node // tp  # data-parallel ranks a node holds (tp groups inside a node)
     if 1 < node < dp and dp % node == 0:
-        out.append(Plan(dp=dp, microbatches=m, shard="hybrid", shard_group=node))
+        out.append(Plan(dp=dp, tp=tp, microbatches=m, shard="hybrid", shard_group=node))
     if m > 1:
         out += [replace(p, shard_accumulate="sharded") for p in out if p.shard != "optimizer"]
     return out

@@ -86,14 +86,17 @@ def _gather_shard(shard: torch.Tensor, index: torch.Tensor, dim: int, group) -> 
 
 
 @torch.no_grad()
-def full_state_dict(module: nn.Module, tp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, tp_group: dist.ProcessGroup | None = None, *,
+                    state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The unsplit state dict of a tensor-parallel `module` (collective over `tp_group`, on every rank).
 
     Keys and shapes match those of the module before `apply_tensor_parallel` / `apply_tp_plan`.
+    `state`: this rank's slices as plain tensors where `module.state_dict()` does not give them so (a
+    fully sharded module's, gathered over its data-parallel ranks first).
     """
     layers = {name: m for name, m in module.named_modules() if isinstance(m, PARALLEL_LAYERS)}
     out = {}
-    for key, value in module.state_dict().items():
+    for key, value in (module.state_dict() if state is None else state).items():
         prefix, _, leaf = key.rpartition(".")
         layer = layers.get(prefix)
         if layer is None or leaf not in layer.sharded or group_size(tp_group) == 1:

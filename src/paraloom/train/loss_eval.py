@@ -66,12 +66,13 @@ def evaluate(model: nn.Module, data: DataSets, group: dist.ProcessGroup | None, 
     the sums are added over `sum_group` (default `group`; neither: this rank alone, on all of it,
     without communication). `forward(x)` gives a batch's logits (default `model(x)`; None where
     this rank has none); `counts=False`: this rank's sums are not added (a pipeline's other stages).
-    A model that returns its own loss has no accuracy (None). `lockstep`: every rank of the world
-    scores its slice (`group` is then the world) and makes as many forwards as the rank with most
-    batches, its extra ones on one sample, not scored: a fully sharded model's forward gathers its
-    units from every rank, so the ranks must call it alike."""
+    A model that returns its own loss has no accuracy (None). `lockstep`: every rank of `group` (None:
+    the world) scores its slice and makes as many forwards as the rank with most batches, its extra
+    ones on one sample, not scored: a fully sharded model's forward gathers its units from every
+    rank, so the ranks must call it alike (with tensor parallelism `group` is the data-parallel one:
+    a replica's tp ranks score the same slice)."""
     model.eval()
-    group = dist.group.WORLD if lockstep else group
+    group = (group if group is not None else dist.group.WORLD) if lockstep else group
     sums = torch.zeros(3, dtype=torch.float64)
     forwards = 0
     for xb, yb in eval_batches(data, group, device, batch=batch):
@@ -81,7 +82,7 @@ def evaluate(model: nn.Module, data: DataSets, group: dist.ProcessGroup | None, 
         elif (out := (forward or model)(xb)) is not None:
             sums += score(out, yb, data.loss)
     if lockstep:
-        largest = -(-len(data.eval) // dist.get_world_size())  # tensor_split's first slices are the largest
+        largest = -(-len(data.eval) // dist.get_world_size(group))  # tensor_split's first slices: largest
         most = -(-largest // batch)
         x0, y0 = collate([data.eval[0]])
         x0, y0 = x0.to(device), y0.to(device)

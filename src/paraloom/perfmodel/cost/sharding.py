@@ -2,7 +2,9 @@
 `parallel.shard` on torch's fully_shard): each unit's all-gathers and reduce-scatters with prefetch
 overlap, and what a rank holds — shards, the units gathered at once, their buffers.
 
-A unit is one of the profile's layers (the GPT's blocks, embedding and head: its top-level pieces).
+A unit is one of the profile's layers (the GPT's blocks, embedding and head: its top-level pieces);
+with tensor parallelism (`plan.tp`) each tp rank's slices are sharded over its data-parallel ranks,
+a 1/tp share of every unit.
 Per micro-batch every unit is all-gathered before its forward and, resharded after forward (`full`,
 `hybrid`), again before its backward; after the last micro-batch's backward its gradients are
 reduce-scattered (hybrid: inside a node, then all-reduced across the replicas in shards). A
@@ -38,19 +40,19 @@ PREFETCH = 1  # parallel.shard_prefetch's default: units gathered ahead of the c
 
 def shard_group(plan, devices_per_node: int) -> int:
     """The ranks one copy of the model is sharded over: every data-parallel rank, or for hybrid
-    `plan.shard_group` (0: a node's devices)."""
+    `plan.shard_group` (0: a node's data-parallel ranks, its devices over tp)."""
     if plan.shard != "hybrid":
         return plan.dp
-    return min(plan.dp, plan.shard_group or devices_per_node)
+    return min(plan.dp, plan.shard_group or max(1, devices_per_node // plan.tp))
 
 
 def sharded_state(part: ModelProfile, plan, optimizer: str, group: int, *, prefetch: int = PREFETCH,
                   reshard: bool = True) -> dict[str, float]:
     """Bytes of training state one rank holds at its peak (forward's or backward's), by kind
     (memory.stage_memory's kinds); `reshard`: `parallel.reshard_after_forward`."""
-    params = part.n_params
+    params = part.n_params / plan.tp  # a tp rank's slices (replicated parameters counted as split)
     compute = part.dtype_bytes  # units gather in the run's precision; shards stay fp32
-    unit = max(layer.param_count for layer in part.layers)
+    unit = max(layer.param_count for layer in part.layers) / plan.tp
     shards = params * 4.0 / group
     optimizer_bytes = params * 4.0 * OPTIMIZER_STATES[optimizer] / group
     kept = plan.shard == "gradients" or not reshard  # every unit stays gathered from forward to backward
@@ -96,8 +98,8 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     `seen` in its report)."""
     if group == 1 and plan.dp == 1 and not host_rate:
         return 0.0, 0.0
-    params, compute = part.n_params, part.dtype_bytes
-    unit = max(layer.param_count for layer in part.layers) / max(params, 1)
+    params, compute = part.n_params / plan.tp, part.dtype_bytes  # a tp rank's slices
+    unit = max(layer.param_count for layer in part.layers) / max(part.n_params, 1)
     gather = allgather_time(params * compute, group, link) if group > 1 else 0.0
     reduce = reduce_scatter_time(params * 4.0, group, link) if group > 1 else 0.0
     replicas = plan.dp // group

@@ -149,7 +149,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     if plan.shard in FULLY_SHARDED:  # each unit's gathers and reductions, overlapping compute
         update /= shards
         link = dp_link(hw, plan) if plan.shard != "hybrid" else \
-            group_link(shards, hw.devices_per_node, hw.intra, hw.inter)
+            group_link(shards, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
         dp_exposed, dp_total = sharded_sync(profile, plan, sum(fwd) * m, sum(bwd) * m, link, hw.inter,
                                             shards, m, reshard=opts.reshard_after_forward,
                                             host_rate=hw.constants.get(HOST_RATE, 0.0) * slow,
