@@ -81,27 +81,33 @@ HOST_RATE = "shard_host.s_per_byte"  # a Hardware constant: the host's seconds p
 
 def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_link, group: int,
                  microbatches: int, *, reshard: bool = True, host_rate: float = 0.0,
-                 blocking: bool = False) -> tuple[float, float]:
+                 gloo: bool = False) -> tuple[float, float]:
     """(exposed seconds, seconds on the links) of one step's gathers and reductions: `fwd` and `bwd`
     the step's forward and backward compute, `link` the sharding group's, `inter_link` the link
     hybrid's replicas all-reduce over, `reshard`: `parallel.reshard_after_forward`. `host_rate`: the
     machinery's own seconds per byte of a unit gathered or reduced (copying each unit's parameters out
     of the all-gather and its gradients into the reduce-scatter, the hooks, the DTensor steps), paid
     by the computing thread and so never hidden; measured by a one-rank fully sharded run against a
-    plain one (`HOST_RATE` in a calibrated CPU profile; 0 where not measured). `blocking`: the
-    collectives hold up the computing thread (a CPU host's profile: torch's fully_shard overlaps its
-    gathers and reduce-scatters with compute through CUDA streams, and without them gloo's all-gather
-    and reduce-scatter return when done; issuing the gathers asynchronously, torch's
-    `_set_unshard_async_op`, moved a 2 x 1 Gbit/s `full` step by 1-4% on this 2-core machine), so
-    their whole time shows. This was chosen after benchmarks/sharding.py's quick run measured `full`
-    dp2 at 1 Gbit/s 35% slower than predicted with overlap (2026-12-07; that configuration is marked
-    `seen` in its report)."""
+    plain one (`HOST_RATE` in a calibrated CPU profile; 0 where not measured).
+
+    `gloo`: a CPU host's collectives (a profile `calibrate` measured here), and two mechanisms of
+    theirs. They hold up the computing thread: torch's fully_shard overlaps its gathers and
+    reduce-scatters with compute through CUDA streams, and without them gloo's collectives return
+    when done (issuing the gathers asynchronously, torch's `_set_unshard_async_op`, moved a 2 x 1
+    Gbit/s `full` step by 1-4% on this 2-core machine), so their whole time shows. And gloo's
+    reduce-scatter is an all-reduce whose slice each rank keeps: across 2 and 4 emulated nodes at
+    100 Mbit/s and 1 Gbit/s it took 1.00-1.05x the all-reduce of the same bytes, its all-gather
+    0.50-0.63x (2026-12-07, benchmarks/LOG.md). Both were found after a measured run missed:
+    the first from benchmarks/sharding.py's quick run (`full` dp2 at 1 Gbit/s, 35% slower than
+    predicted with overlap), the second from its run 1 (every sharded configuration 16-36% slower
+    than predicted); the configurations measured before are marked `seen` in its report."""
     if group == 1 and plan.dp == 1 and not host_rate:
         return 0.0, 0.0
     params, compute = part.n_params / plan.tp, part.dtype_bytes  # a tp rank's slices
     unit = max(layer.param_count for layer in part.layers) / max(part.n_params, 1)
     gather = allgather_time(params * compute, group, link) if group > 1 else 0.0
-    reduce = reduce_scatter_time(params * 4.0, group, link) if group > 1 else 0.0
+    reduction = allreduce_time if gloo else reduce_scatter_time  # gloo's: an all-reduce, a slice kept
+    reduce = reduction(params * 4.0, group, link) if group > 1 else 0.0
     replicas = plan.dp // group
     if replicas > 1:
         reduce += allreduce_time(params * 4.0 / group, replicas, inter_link)
@@ -111,7 +117,7 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     backward_comm = gather * microbatches * regather + reduce * reductions
     first, last = gather * unit, reduce * unit  # nothing to overlap the first gather, the last reduction
     exposed = first + max(0.0, forward_comm - first - fwd) + last + max(0.0, backward_comm - last - bwd)
-    if blocking:
+    if gloo:
         exposed = forward_comm + backward_comm
     handled = params * compute * microbatches * (1 + regather) + params * 4.0 * reductions
     exposed += handled * host_rate

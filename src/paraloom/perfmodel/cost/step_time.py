@@ -153,7 +153,7 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         dp_exposed, dp_total = sharded_sync(profile, plan, sum(fwd) * m, sum(bwd) * m, link, hw.inter,
                                             shards, m, reshard=opts.reshard_after_forward,
                                             host_rate=hw.constants.get(HOST_RATE, 0.0) * slow,
-                                            blocking="host_cores" in hw.constants)
+                                            gloo="host_cores" in hw.constants)
     else:
         dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
