@@ -12,13 +12,14 @@ the performance model's (`memory_model`). Speed: 4 workers, the GPT at width 256
 `fully_shard` and paraloom `full` take turns (paraloom.bench.sharding); a ratio is the median over
 rounds of paraloom's step over the peer's.
 
-The model on sharded plans (`step_model`; emulated clusters, needs root; skipped by `--quick` unless
-`--model-only`): at 100 Mbit/s and 1 Gbit/s, perfmodel_validation.py's calibration (links at 2 and 4
-nodes, the refinement's loopback runs) plus the sharded machinery's host cost (a one-rank `full` run
-against a plain one), then the validation's GPT at `gradients`, `full`, `hybrid` (groups of 2) and
-`full` accumulating 2 micro-batches into the shards, at 2 and 4 workers, with the unsharded runs as
-references for the best plan of each group: every configuration is predicted, and the predictions
-written to the report, before the first of them is measured; 1 Gbit/s runs twice, interleaved.
+The model on sharded plans (`step_model`; emulated clusters, needs root; skipped by `--quick`
+unless `--model-only`): at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, perfmodel_validation.py's
+calibration (links at 2 and 4 nodes, the refinement's loopback runs) plus the sharded machinery's
+host cost (a one-rank `full` run against a plain one), then the validation's GPT at `gradients`, `full`, `hybrid` (groups of 2) and
+`full` accumulating 2 micro-batches into the shards, at 2 and 4 workers, and `full` x tp2 on 4, with
+the unsharded runs as references for the best plan of each group: every configuration is predicted,
+and the predictions written to the report, before the first of them is measured; 1 and 10 Gbit/s
+run twice, interleaved. Configurations measured before the model's last change are marked `seen`.
 
 Summary (`summary` in the JSON): `mem_ratio_full_vs_ddp`, `mem_ratio_gradients_vs_ddp` and
 `mem_ratio_vs_fully_shard` (the peaks, by torch's memory tracker), `mem_ratio_full_at_rest_vs_ddp`
@@ -94,13 +95,18 @@ STEP_CONFIGS = {
     "hybrid2 dp4": (4, ["parallel.shard=hybrid", "parallel.shard_group=2"]),
     "full dp4 m2 sum-sharded": (4, ["parallel.shard=full", "optim.accumulate=2",
                                     "parallel.shard_accumulate=sharded"]),
+    # 2-D, added for run 2: tp pairs, two data-parallel copies of them
+    "none dp2 tp2": (4, ["parallel.tp=2"]), "full dp2 tp2": (4, ["parallel.shard=full", "parallel.tp=2"]),
 }
-STEP_RATES = ("100mbit", "1gbit")
-STEP_STEPS = {"100mbit": 30, "1gbit": 60}  # a 100 Mbit/s full dp4 step gathers ~5 MB twice: ~1 s
-STEP_PASSES = {"100mbit": 1, "1gbit": 2}
-# measured by the quick run before the model's CPU terms were chosen (cost/sharding.py, `blocking`):
-# not held out; the summary gives the errors with and without it
-SEEN = ("full dp2 1gbit",)
+STEP_RATES = ("100mbit", "1gbit", "10gbit")  # 10 Gbit/s added for run 2
+STEP_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}  # a 100 Mbit/s full dp4 step: ~1 s
+STEP_PASSES = {"100mbit": 1, "1gbit": 2, "10gbit": 2}
+# measured before the model's gloo terms were chosen (cost/sharding.py, `gloo`): the quick run's full
+# dp2 at 1 Gbit/s, then run 1's eight configurations at 100 Mbit/s and 1 Gbit/s; not held out, so the
+# summary gives the errors with and without them
+RUN_1 = ("none dp2", "gradients dp2", "full dp2", "none dp4", "gradients dp4", "full dp4", "hybrid2 dp4",
+         "full dp4 m2 sum-sharded")
+SEEN = tuple(f"{name} {rate}" for name in RUN_1 for rate in ("100mbit", "1gbit"))
 
 
 def _sharded_host_rate(out, rate: str, plain_run, console) -> tuple[float, dict[str, float]]:
@@ -169,7 +175,8 @@ def step_model(quick: bool, console, save) -> dict[str, Any]:
                 what = predictable(cfg, workers)
                 e = estimate(profile_model(what.spec, recompute=what.recompute), hw, what.plan,
                              what.global_batch, what.options)
-                rows.append({"name": f"{name} {rate}", "group": f"dp{workers} {rate}", "workers": workers,
+                group = f"dp2 tp2 {rate}" if "tp2" in name else f"dp{workers} {rate}"
+                rows.append({"name": f"{name} {rate}", "group": group, "workers": workers,
                              "rate": rate, "settings": settings, "plan": what.plan.label(),
                              "sharded": cfg.parallel.shard != "none", "seen": f"{name} {rate}" in SEEN,
                              "predicted_s": e.step_s,
