@@ -15,11 +15,12 @@ rounds of paraloom's step over the peer's.
 The model on sharded plans (`step_model`; emulated clusters, needs root; skipped by `--quick`
 unless `--model-only`): at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s, perfmodel_validation.py's
 calibration (links at 2 and 4 nodes, the refinement's loopback runs) plus the sharded machinery's
-host cost (a one-rank `full` run against a plain one), then the validation's GPT at `gradients`, `full`, `hybrid` (groups of 2) and
-`full` accumulating 2 micro-batches into the shards, at 2 and 4 workers, and `full` x tp2 on 4, with
-the unsharded runs as references for the best plan of each group: every configuration is predicted,
-and the predictions written to the report, before the first of them is measured; 1 and 10 Gbit/s
-run twice, interleaved. Configurations measured before the model's last change are marked `seen`.
+host cost (a one-rank `full` run against a plain one), then the validation's GPT at `gradients`,
+`full`, `hybrid` (groups of 2) and `full` accumulating 2 micro-batches into the shards, at 2 and 4
+workers, and `full` x tp2 on 4, with the unsharded runs as references for the best plan of each
+group: every configuration is predicted, and the predictions written to the report, before the
+first of them is measured; 1 and 10 Gbit/s run twice, interleaved. Configurations measured before
+the model's last change are marked `seen`.
 
 Summary (`summary` in the JSON): `mem_ratio_full_vs_ddp`, `mem_ratio_gradients_vs_ddp` and
 `mem_ratio_vs_fully_shard` (the peaks, by torch's memory tracker), `mem_ratio_full_at_rest_vs_ddp`
