@@ -3,12 +3,15 @@
 Every rank builds the model from the seed, takes rank 0's weights, and shards it unit by unit
 (data_parallel/fully_sharded.py) over the data-parallel ranks (hybrid: inside groups of
 `parallel.shard_group`, replicated across them). A step runs forward and backward on this rank's
-shard of the batch (accumulation's micro-batches reduce-scatter on the last one only, or each into the
-shards: `parallel.shard_accumulate`), checks the
-gradient shards for NaN/Inf on every rank, and steps the optimizer on the shards: clipping sums
+shard of the batch (accumulation's micro-batches reduce-scatter on the last one only, or each into
+the shards: `parallel.shard_accumulate`), checks the gradient shards for NaN/Inf on every rank,
+and steps the optimizer on the shards: clipping sums
 the squared norms of the shards over the sharding group, and mixed precision is FSDP's (units
 gathered in bf16/fp16, fp32 shards and optimizer state). Checkpoints hold DTensors, which DCP
 reshards when another number of ranks resumes; the saved model is one full state dict on rank 0.
+With `parallel.tp` > 1 every rank first cuts its tensor-parallel slice of the model (its plan, as
+the model-parallel strategy does), and the slices are sharded over the rank's data-parallel ranks
+(a dp x tp mesh); checkpoints keep each tp rank's slices apart, resuming at the same tp.
 """
 
 from __future__ import annotations
