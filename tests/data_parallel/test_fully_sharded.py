@@ -171,6 +171,22 @@ def test_the_gpt_trains_fully_sharded_as_one_process_does(name, one_process, tmp
             assert held[kind] * 2**20 == pytest.approx(copies * whole / group, rel=0.1), (kind, held)
 
 
+def test_hybrid_tp_slices_shard_in_groups_and_replicate_across_as_one_process_trains(tmp_path):
+    """hybrid x tp2 on 8 ranks: a 2 (replicas) x 2 (shards) x 2 (tp) mesh; a batch of 16, which the 4
+    data-parallel ranks' 2 micro-batches split evenly (tensor parallelism's rule)."""
+    batch = ["data.batch_size=16"]
+    one, run = tmp_path / "one", tmp_path / "run"
+    one.mkdir(), run.mkdir()
+    run_workers(_train, 1, batch, one, timeout=120)
+    summaries = run_workers(_train, 8, [*batch, "parallel.shard=hybrid", "parallel.shard_group=2",
+                                        "parallel.tp=2"], run, timeout=180)
+    assert summaries[0]["shard"]["mesh"] == [2, 2, 2]
+    assert_close(_losses(run), _losses(one), **TOL)
+    expected, saved = (torch.load(d / "model.pt", weights_only=True) for d in (one, run))
+    for key, value in expected.items():
+        assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
 # ---- checkpoints: DCP reshards; a data-parallel run reads the shards whole, and the reverse
 
 def _resume_from(straight, step, out):
