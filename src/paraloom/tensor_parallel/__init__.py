@@ -29,6 +29,7 @@ from paraloom.tensor_parallel.module_plan import (
     apply_tp_plan,
     check_tp_plan,
     is_tp_sharded,
+    plan_for,
     sync_weights_from_first,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "is_tp_sharded",
     "load_full_state_dict",
     "param_bytes",
+    "plan_for",
     "reduce_from_region",
     "reduce_scatter_from_region",
     "relayout",

@@ -373,6 +373,16 @@ def sync_weights_from_first(module: nn.Module, tp_group: dist.ProcessGroup | Non
     broadcast_coalesced([t for t in tensors if not t.is_meta], tp_group)
 
 
+def plan_for(configured: Any, model: nn.Module, tp: int) -> Any:
+    """The tensor-parallel plan a run splits `model` by: the config's `model.tp_plan` (`configured`), or
+    the model's own `tp_plan`; neither is refused in one line."""
+    plan = configured or getattr(model, "tp_plan", None)
+    if not plan:
+        raise UserError(f"parallel.tp={tp} needs a tensor-parallel plan: set model.tp_plan "
+                        "(pattern -> colwise/rowwise/vocab/replicate/sequence/prepare) or give the model one")
+    return plan
+
+
 def apply_tp_plan(module: nn.Module, plan: Plan, tp_group: dist.ProcessGroup | None = None, *,
                   strict: bool = True, sync_weights: bool = True) -> nn.Module:
     """Rewrite in place every module `plan` matches to hold this rank's shard over `tp_group`.

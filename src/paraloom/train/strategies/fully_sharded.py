@@ -59,6 +59,7 @@ from paraloom.tensor_parallel import (
     apply_tp_plan,
     full_state_dict,
     is_tp_sharded,
+    plan_for,
     sharded_parameters,
     tp_loss,
     trace_tensor_parallel,
@@ -132,12 +133,7 @@ class FullyShardedStrategy(Strategy):
             raise UserError(f"optim.ema with parallel.shard={cfg.parallel.shard} and parallel.tp={self.tp}: "
                             "the average's tp slices are not yet kept apart in checkpoints; use tp=1 for an "
                             "EMA")
-        plan = cfg.model.tp_plan or getattr(model, "tp_plan", None)
-        if not plan:
-            raise UserError(f"parallel.tp={self.tp} needs a tensor-parallel plan: set model.tp_plan "
-                            "(pattern -> colwise/rowwise/vocab/replicate/sequence/prepare) or give the "
-                            "model one")
-        apply_tp_plan(model, plan, self.tp_group, sync_weights=False)
+        apply_tp_plan(model, plan_for(cfg.model.tp_plan, model, self.tp), self.tp_group, sync_weights=False)
 
     def _unit_bytes(self, model: torch.nn.Module, compute: torch.dtype | None) -> tuple[int, int]:
         """(bytes a step's all-gathers are handed per micro-batch, bytes its reduce-scatters are handed),

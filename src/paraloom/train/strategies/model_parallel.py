@@ -41,6 +41,7 @@ from paraloom.tensor_parallel import (
     full_state_dict,
     is_tp_sharded,
     param_bytes,
+    plan_for,
     sharded_parameters,
     sync_weights_from_first,
     tp_loss,
@@ -131,11 +132,7 @@ class ModelParallelStrategy(EngineStrategy):
                             for key, value in nn.Sequential(*pieces).state_dict().items()}
         self.names = piece_names(full, pieces)
         if tp > 1:
-            plan = cfg.model.tp_plan or getattr(full, "tp_plan", None)
-            if not plan:
-                raise UserError(f"parallel.tp={tp} needs a tensor-parallel plan: set model.tp_plan "
-                                "(pattern -> colwise/rowwise/vocab/replicate/sequence/prepare) or give the "
-                                "model one")
+            plan = plan_for(cfg.model.tp_plan, full, tp)
             # every rank of the tp group takes its first rank's weights, of the pieces this rank keeps only
             stages = self.virtual_stages() if self.v > 1 else [self.groups.pp_rank]
             kept = [piece for u in stages for piece in pieces[self.bounds[u][0]:self.bounds[u][1]]]
