@@ -83,7 +83,8 @@ def test_units_are_the_zoos_blocks_a_users_repeated_layers_or_what_the_config_na
 
 def test_sharding_settings_that_cannot_run_are_refused_in_one_line():
     cases = {
-        ("parallel.shard=full", "parallel.pp=2"): "does not compose with parallel.pp=2",
+        ("parallel.shard=full", "parallel.mode=layers"): "takes parallel.mode=dp, not layers",
+        ("parallel.shard=full", "parallel.microbatches=4"): "pipeline settings only with parallel.pp > 1",
         ("parallel.shard=full", "parallel.mode=ps"): "takes parallel.mode=dp, not ps",
         ("parallel.shard=full", "parallel.shard_group=2"): "takes parallel.shard=hybrid, not full",
         ("parallel.shard=full", "comm.shard_optimizer=true"): "already shards the optimizer state",
@@ -97,6 +98,8 @@ def test_sharding_settings_that_cannot_run_are_refused_in_one_line():
     for settings, message in cases.items():
         with pytest.raises(UserError, match=message):
             load_config(None, list(settings))
+    assert load_config(None, ["parallel.shard=full", "parallel.pp=2", "parallel.microbatches=4"]).strategy == \
+        "fully_sharded"
     assert load_config(None, ["comm.shard_optimizer=true"]).parallel.shard == "optimizer"
     assert load_config(None, ["parallel.shard=optimizer"]).comm.shard_optimizer
 
@@ -130,6 +133,9 @@ LEVELS = {  # name: (ranks, settings)
     "full_dp2_sum_sharded": (2, ["parallel.shard=full", "parallel.shard_accumulate=sharded"]),
     # 2-D: each tp rank's slices (the GPT's TP_PLAN) sharded over its 2 data-parallel ranks
     "full_dp2_tp2": (4, ["parallel.shard=full", "parallel.tp=2"]),
+    # x pipeline: each stage sharded over its 2 data-parallel ranks, gathered once a step (1F1B over 3
+    # micro-batches of each accumulation run)
+    "full_dp2_pp2": (4, ["parallel.shard=full", "parallel.pp=2", "parallel.microbatches=3"]),
 }
 
 
@@ -143,12 +149,22 @@ def test_the_gpt_trains_fully_sharded_as_one_process_does(name, one_process, tmp
     assert saved.keys() == params.keys()
     for key, value in params.items():
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+    whole = sum(v.numel() * 4 for v in params.values())
     if "parallel.tp=2" in settings:  # a 2 x 2 mesh of data-parallel shards and tp slices
         shard = summaries[0]["shard"]
         assert shard["mesh"] == [2, 2]
-        whole = sum(v.numel() * 4 for v in params.values())
         for held in shard["held_mb_per_rank"]:  # a quarter, and what tp replicates (norms, biases) twice
             assert whole / 4 < held["params"] * 2**20 < whole * 0.3, held
+        return
+    sent = summaries[0]["comm_bytes_per_step"]
+    if "parallel.pp=2" in settings:  # rank 0 holds half of the first stage's pieces
+        shard = summaries[0]["shard"]
+        assert shard["mesh"] == [2, 2]
+        stage = shard["held_mb_per_rank"][0]["params"] * 2**20 * 2
+        assert whole / 4 < stage < whole * 3 / 4
+        # each unit gathered once a step (a half stage) and reduce-scattered once, not per micro-batch (6
+        # a step; the root's embeddings were seen gathered once more: bounded, not pinned)
+        assert stage * 1.5 * 0.99 < sent < stage * 2
         return
     # counted one collective at a time: per step, each gather takes a shard and each reduce-scatter a
     # whole gradient (the units' and the root's), in fp32; resharded after forward, a unit is gathered
@@ -199,6 +215,7 @@ def _resume_from(straight, step, out):
 
 
 CHECKPOINTED = ["optim.max_steps=6", "run.checkpoint_every=3"]
+PIPELINED = ["parallel.pp=2", "parallel.microbatches=3"]
 
 
 @pytest.mark.parametrize("saved, resumed", [
@@ -207,7 +224,10 @@ CHECKPOINTED = ["optim.max_steps=6", "run.checkpoint_every=3"]
     ((2, []), (3, ["parallel.shard=full"])),  # none -> full: whole tensors sharded, unevenly
     # the tp slices' shards read back over 1 data-parallel rank instead of 2
     ((4, ["parallel.shard=full", "parallel.tp=2"]), (2, ["parallel.shard=full", "parallel.tp=2"])),
-], ids=["full_dp4_to_full_dp2", "full_dp4_to_none_dp2", "none_dp2_to_full_dp3", "full_dp2tp2_to_full_dp1tp2"])
+    # each pipeline stage's shards likewise
+    ((4, ["parallel.shard=full", *PIPELINED]), (2, ["parallel.shard=full", *PIPELINED])),
+], ids=["full_dp4_to_full_dp2", "full_dp4_to_none_dp2", "none_dp2_to_full_dp3", "full_dp2tp2_to_full_dp1tp2",
+        "full_dp2pp2_to_full_dp1pp2"])
 def test_a_checkpoint_goes_on_at_another_size_and_level_as_the_straight_run_would(saved, resumed, tmp_path):
     (saved_world, saved_settings), (world, settings) = saved, resumed
     straight = tmp_path / "straight"
@@ -221,6 +241,17 @@ def test_a_checkpoint_goes_on_at_another_size_and_level_as_the_straight_run_woul
     got = torch.load(run_dir / "model.pt", weights_only=True)
     for key, value in expected.items():
         assert_close(got[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_a_sharded_pipeline_checkpoint_resumes_only_at_its_tp_and_pp_said_in_one_line(tmp_path):
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    run_workers(_train, 2, [*CHECKPOINTED, "parallel.shard=full", *PIPELINED, "optim.max_steps=3"], straight,
+                timeout=120)
+    run_dir = _resume_from(straight, 3, tmp_path / "resumed")
+    said = "saved at parallel.tp=1 and parallel.pp=2, this run has tp=1 and pp=1"
+    with pytest.raises(AssertionError, match=said):
+        run_workers(_train, 2, [*CHECKPOINTED, "parallel.shard=full"], run_dir, timeout=120)
 
 
 def test_a_sharded_optimizer_checkpoint_is_refused_by_a_fully_sharded_run_in_one_line(tmp_path):

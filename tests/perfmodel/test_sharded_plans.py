@@ -85,12 +85,13 @@ def test_the_planner_offers_every_level_on_whole_replicas_and_fully_sharded_tp_s
     # tp slices shard over their data-parallel ranks (hybrid: a node's 8 devices hold 4 of them at tp2)
     assert {p.shard for p in plans if p.tp == 2 and p.pp == 1 and p.dp == 8} == \
         {"none", "gradients", "full", "hybrid"}
-    assert all(p.shard == "none" for p in plans if p.pp > 1)
+    # pipeline stages shard over their data-parallel ranks too: full (= gradients there; a node's 8
+    # devices hold all 8 of a stage's, so no hybrid)
+    assert {p.shard for p in plans if p.tp == 1 and p.pp == 2 and p.dp == 8} == {"none", "full"}
     assert variants(Plan(dp=16, shard="full"), exact_only=False) == [Plan(dp=16, shard="full")]
-    with pytest.raises(UserError, match="takes pp = 1"):
-        Plan(dp=4, pp=2, shard="full")
-    with pytest.raises(UserError, match="a fully sharded level"):
-        Plan(dp=4, tp=2, shard="optimizer")
+    for split in ({"tp": 2}, {"pp": 2}):
+        with pytest.raises(UserError, match="a fully sharded level"):
+            Plan(dp=4, shard="optimizer", **split)
     # a tp2 rank gathers and holds half of what a whole replica's rank does
     opts = Options(optimizer="adam")
     whole = stage_memory(profile, Plan(dp=8, shard="full"), 0, 8, opts, shard_size=8)
@@ -128,3 +129,25 @@ def test_a_70b_model_that_no_unsharded_plan_fits_gets_a_sharded_plan_that_trains
 def _train(rank, world, cfg, run_dir):
     cfg.validate_world(world)
     return train(cfg, run_dir if rank == 0 else None, device=torch.device("cpu"))
+
+
+def test_a_sharded_pipeline_stage_gathers_once_a_step_and_holds_its_stage_gathered():
+    """With pp > 1 each stage is sharded over its data-parallel ranks and its units stay gathered through
+    the micro-batches: no gather per micro-batch (the links carry the same bytes at m 4 and 8), and a
+    rank holds its stage's shards plus the whole stage gathered."""
+    profile = profile_model(GPT)
+    hw = load_hardware("h100-ib-ndr")
+    opts = Options(optimizer="adam")
+    few, many = (estimate(profile, hw, Plan(dp=4, pp=2, microbatches=m, shard="full"), 64, opts)
+                 for m in (4, 8))
+    assert few.plan.label() == "dp4 pp2 m4 1f1b full"
+    assert many.breakdown["dp_comm_total"] == pytest.approx(few.breakdown["dp_comm_total"])
+    whole = estimate(profile, hw, Plan(dp=4, microbatches=4, shard="full"), 64, opts)
+    assert whole.breakdown["dp_comm_total"] > 2 * few.breakdown["dp_comm_total"]  # a stage, gathered 4x
+    stage = profile.slice(0, len(profile.layers) // 2)
+    held = _state(stage_memory(stage, Plan(dp=4, pp=2, microbatches=4, shard="full"), 0, 8, opts,
+                               shard_size=4))
+    n, unit = stage.n_params, max(layer.param_count for layer in stage.layers)
+    # fp32 shards and Adam's (1 + 2 quarters), and at backward's start the stage gathered, its
+    # unsharded gradients accumulating and a unit's gradient
+    assert held == pytest.approx(3 * n + n * 4 + n * 4 + unit * 4)

@@ -207,6 +207,7 @@ STRATEGIES = {  # name: (processes, settings)
     "dp2_full": (2, ["parallel.shard=full"]),  # units: the ModuleList's blocks
     "dp4_hybrid": (4, ["parallel.shard=hybrid", "parallel.shard_group=2", "parallel.shard_units=Block,Head"]),
     "dp2_tp2_full": (4, ["parallel.tp=2", "parallel.shard=full"]),  # the test's tp plan, then sharded
+    "dp2_pp2_full": (4, ["parallel.pp=2", "parallel.microbatches=2", "parallel.shard=full"]),  # its stages
 }
 
 

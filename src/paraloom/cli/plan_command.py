@@ -182,7 +182,7 @@ def emit_config(model: str, hw: Hardware, e: Estimate, global_batch: int, nodes:
     sections = _plan_sections(e.plan, nodes, dtype)
     config = merge(config, sections)
     strategy = strategy_for(mode=config["parallel"]["mode"], tp=e.plan.tp, pp=e.plan.pp, shard=e.plan.shard)
-    unused = STRATEGY_ENTRIES[strategy].unused
+    unused = STRATEGY_ENTRIES[strategy].unused_at(e.plan.pp)
     for key in sorted(written & _written(sections) - set(unused)):
         section, _, name = key.partition(".")
         if base[section][name] != sections[section][name]:

@@ -38,7 +38,8 @@ class StrategyEntry(NamedTuple):
     chosen_when(mode, tp, pp, shard): whether a run's parallel.* settings ask for it (entries are asked in
     order, the first that says yes is the run's strategy); unused: the settings it has no use for
     (changing one from its default is refused before launch); why_unused: the reason that refusal gives;
-    cpu_only: whether it runs on CPU (gloo) only, so that run.device=cuda is refused and auto means cpu.
+    cpu_only: whether it runs on CPU (gloo) only, so that run.device=cuda is refused and auto means cpu;
+    unused_one_stage: settings it uses only with pipeline stages (parallel.pp > 1), unused otherwise.
     """
 
     module: str
@@ -46,6 +47,11 @@ class StrategyEntry(NamedTuple):
     unused: tuple[str, ...]
     why_unused: str
     cpu_only: bool = False
+    unused_one_stage: tuple[str, ...] = ()
+
+    def unused_at(self, pp: int) -> tuple[str, ...]:
+        """The settings this strategy has no use for at `pp` pipeline stages."""
+        return (*self.unused, *self.unused_one_stage) if pp == 1 else self.unused
 
 
 _PIPELINE = ("parallel.microbatches", "parallel.schedule", "parallel.virtual_stages", "parallel.balance")
@@ -65,9 +71,10 @@ STRATEGY_ENTRIES = {
         "parameter sharding, and non-finite pushes always dropped", cpu_only=True),
     "fully_sharded": StrategyEntry(
         "fully_sharded", lambda mode, tp, pp, shard: mode == "dp" and shard in FULLY_SHARDED,
-        (*_PIPELINE, *_PS, *_ENGINE, *_CODEC, "sparse.sparsity"),
+        (*_PS, *_ENGINE, *_CODEC, "sparse.sparsity"),
         "torch's fully_shard gathers and reduce-scatters its units: no engine scheduling, sync modes or "
-        "compression, no pipeline, no parameter servers and no pruning"),
+        "compression, no parameter servers, no pruning, and pipeline settings only with parallel.pp > 1",
+        unused_one_stage=_PIPELINE),  # with parallel.pp > 1 its stages are what is sharded
     "model_parallel": StrategyEntry(
         "model_parallel", lambda mode, tp, pp, shard: mode == "layers" or tp > 1 or pp > 1,
         (*_PS, "comm.engine", *_SHARD),  # the naive engine cannot hold back a micro-batch's sync

@@ -119,10 +119,6 @@ def check_sharding(*, shard: str, mode: str, tp: int, pp: int, shard_group: int,
     if shard in FULLY_SHARDED and mode != "dp":
         raise UserError(f"parallel.shard={shard} shards data-parallel replicas; it takes parallel.mode=dp, "
                         f"not {mode}")
-    if shard in FULLY_SHARDED and pp > 1:
-        raise UserError(f"parallel.shard={shard} does not compose with parallel.pp={pp} so far; use "
-                        "parallel.shard=optimizer with pipeline parallelism, or pp=1 (tensor parallelism "
-                        "composes: parallel.tp)")
     if shard_group < 0 or shard_prefetch < 0:
         raise UserError("parallel.shard_group and parallel.shard_prefetch must not be negative "
                         "(shard_group 0: the ranks of a node)")
@@ -131,13 +127,13 @@ def check_sharding(*, shard: str, mode: str, tp: int, pp: int, shard_group: int,
                         f"parallel.shard=hybrid, not {shard}")
 
 
-def check_strategy_settings(strategy: str, changed: dict[str, object], *, device: str) -> None:
+def check_strategy_settings(strategy: str, changed: dict[str, object], *, device: str, pp: int = 1) -> None:
     """Refuse, before launch, a setting the run's strategy would otherwise ignore.
 
-    `changed`: the settings that differ from their defaults, by dotted key.
+    `changed`: the settings that differ from their defaults, by dotted key; `pp`: parallel.pp.
     """
     entry = STRATEGY_ENTRIES[strategy]
-    unused = [key for key in entry.unused if key in changed]
+    unused = [key for key in entry.unused_at(pp) if key in changed]
     if unused:
         key, value = unused[0], changed[unused[0]]
         value = str(value).lower() if isinstance(value, bool) else value  # as the user wrote it

@@ -355,7 +355,8 @@ class Config:
                                         engine=self.comm.engine)
         if self.parallel.mode == "ps":
             rules.check_push_compressor(self.comm.compressor)
-        rules.check_strategy_settings(self.strategy, self.changed(), device=self.run.device)
+        rules.check_strategy_settings(self.strategy, self.changed(), device=self.run.device,
+                                      pp=self.parallel.pp)
         rules.check_recipe(self.strategy, clip_norm=self.optim.clip_norm, precision=self.run.precision,
                            guard_nan=self.guard.nan, scheduler=self.comm.scheduler,
                            no_decay=self.optim.no_decay, shard_optimizer=self.comm.shard_optimizer,
@@ -485,13 +486,14 @@ def left_behind(recorded: dict[str, Any], overrides: list[str]) -> list[str]:
         return rules.strategy_for(mode=par.get("mode", "dp"), tp=par.get("tp", 1), pp=par.get("pp", 1),
                                   shard=par.get("shard", "none"))
 
-    after = strategy(merge(recorded, parse_overrides(overrides)))
+    merged = merge(recorded, parse_overrides(overrides))
+    after = strategy(merged)
     if strategy(recorded) == after:
         return []
     given = {item.partition("=")[0].strip() for item in overrides}
     defaults = Config().to_dict()
     reset = []
-    for key in choices.STRATEGY_ENTRIES[after].unused:
+    for key in choices.STRATEGY_ENTRIES[after].unused_at(merged.get("parallel", {}).get("pp", 1)):
         section, _, name = key.partition(".")
         value = recorded.get(section, {}).get(name, defaults[section][name])
         if key not in given and value != defaults[section][name]:

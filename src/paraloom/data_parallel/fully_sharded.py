@@ -29,6 +29,7 @@ against a bare `fully_shard` loop in the same run.
 from __future__ import annotations
 
 import fnmatch
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -170,25 +171,29 @@ def _shares_parameters(model: nn.Module, unit: nn.Module) -> bool:
 
 # ---- the mesh and the wrapping ------------------------------------------------------------------------
 
-def shard_mesh(level: str, *, world_size: int, group_size: int, device_type: str, tp: int = 1) -> DeviceMesh:
+def shard_mesh(level: str, *, world_size: int, group_size: int, device_type: str, tp: int = 1,
+               pp: int = 1) -> DeviceMesh:
     """The device mesh `level` shards over: one dimension "shard" of the `world_size` data-parallel
     ranks; for hybrid, ranks in groups of `group_size` consecutive ones (a node's), dims ("replicate",
-    "shard"). With `tp` > 1 a last dimension "tp" of consecutive ranks (paraloom's Topology: rank =
-    dp x tp + tp rank), whose groups split each layer by its tensor-parallel plan; `data_mesh` is the
-    rest, what fully_shard shards over."""
-    extra, names = ((tp,), ("tp",)) if tp > 1 else ((), ())
+    "shard"). With `tp` > 1 a last dimension "tp" of consecutive ranks, whose groups split each layer
+    by its tensor-parallel plan; with `pp` > 1 a first dimension "pp", one pipeline stage each
+    (paraloom's Topology: rank = (pp x dp + dp) x tp + tp). `data_mesh` is what fully_shard shards
+    over: the data-parallel dimensions alone."""
+    head, head_names = ((pp,), ("pp",)) if pp > 1 else ((), ())
+    tail, tail_names = ((tp,), ("tp",)) if tp > 1 else ((), ())
     if level != "hybrid":
-        return init_device_mesh(device_type, (world_size, *extra), mesh_dim_names=("shard", *names))
+        return init_device_mesh(device_type, (*head, world_size, *tail),
+                                mesh_dim_names=(*head_names, "shard", *tail_names))
     if group_size < 1 or world_size % group_size:
         raise UserError(f"parallel.shard=hybrid shards inside groups of parallel.shard_group={group_size} "
                         f"ranks, which must divide the {world_size} data-parallel ranks")
-    return init_device_mesh(device_type, (world_size // group_size, group_size, *extra),
-                            mesh_dim_names=("replicate", "shard", *names))
+    return init_device_mesh(device_type, (*head, world_size // group_size, group_size, *tail),
+                            mesh_dim_names=(*head_names, "replicate", "shard", *tail_names))
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The dimensions of `shard_mesh`'s mesh that fully_shard shards (and hybrid replicates) over."""
-    names = [name for name in mesh.mesh_dim_names if name != "tp"]
+    names = [name for name in mesh.mesh_dim_names if name not in ("tp", "pp")]
     return mesh if len(names) == mesh.ndim else mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
@@ -286,26 +291,31 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled, recurse=True)
 
 
-def data_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The data-parallel ranks of this rank's tp slice: with hybrid the replicas' too (collective)."""
-    if "replicate" not in mesh.mesh_dim_names:
-        return mesh.get_group("shard")
-    columns = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).T if "tp" in mesh.mesh_dim_names \
-        else mesh.mesh.reshape(1, -1)
-    group, _ = dist.new_subgroups_by_enumeration([column.tolist() for column in columns])
+def group_over(mesh: DeviceMesh, names: list[str]) -> dist.ProcessGroup:
+    """The group of this rank's ranks that differ only along the mesh dimensions `names` (collective:
+    every rank of the mesh calls it alike)."""
+    if len(names) == 1:
+        return mesh.get_group(names[0])
+    if len(names) == mesh.ndim:
+        return dist.group.WORLD  # the mesh is the world's (shard_mesh)
+    along = [mesh.mesh_dim_names.index(name) for name in names]
+    rest = [d for d in range(mesh.ndim) if d not in along]
+    rows = mesh.mesh.permute(*rest, *along).reshape(-1, math.prod(mesh.size(d) for d in along))
+    group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in rows])
     return group
+
+
+def data_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The data-parallel ranks of this rank's tp slice and pipeline stage: with hybrid the replicas'
+    too (collective)."""
+    return group_over(mesh, [name for name in mesh.mesh_dim_names if name in ("replicate", "shard")])
 
 
 def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The ranks that together hold the model once (a norm over the shards is summed over these): a
-    sharding group's, and with tensor parallelism its tp groups' too (collective: every rank calls it)."""
-    if "tp" not in mesh.mesh_dim_names:
-        return mesh.get_group("shard")
-    replicas = mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 2) * mesh.size(mesh.ndim - 1))  # rows: copies
-    if len(replicas) == 1:
-        return dist.group.WORLD
-    group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in replicas])
-    return group
+    sharding group's, with tensor parallelism its tp groups' and with pipeline parallelism every
+    stage's too (collective: every rank calls it)."""
+    return group_over(mesh, [name for name in mesh.mesh_dim_names if name != "replicate"])
 
 
 @torch.no_grad()

@@ -84,11 +84,11 @@ class Plan:
             raise UserError(f"plan ps_colocated={self.ps_colocated} must be true or false, and true only "
                             "with ps_node_sum (one pushing worker a node)")
         check_name("plan shard", self.shard, SHARD_LEVELS)
-        split_optimizer = self.tp > 1 and self.shard == "optimizer"
-        if self.shard != "none" and (self.servers or self.pp > 1 or self.sync != "sync"
+        split_optimizer = (self.tp > 1 or self.pp > 1) and self.shard == "optimizer"
+        if self.shard != "none" and (self.servers or self.sync != "sync"
                                      or self.compressor != "none" or split_optimizer):
-            raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes pp = 1, "
-                            "no servers, sync=sync and no compressor (and tp > 1 a fully sharded level)")
+            raise UserError(f"plan shard={self.shard} shards synchronous data parallelism: it takes no "
+                            "servers, sync=sync and no compressor (and tp or pp > 1 a fully sharded level)")
         check_name("plan shard_accumulate", self.shard_accumulate, SHARD_ACCUMULATE)
         if self.shard_accumulate != "unsharded" and (self.shard not in FULLY_SHARDED
                                                      or self.microbatches == 1):

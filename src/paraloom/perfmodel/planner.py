@@ -72,17 +72,20 @@ def grids(world: int, profile: ModelProfile, hw: Hardware, global_batch: int) ->
 
 def sharded(dp: int, tp: int, pp: int, m: int, hw: Hardware) -> list[Plan]:
     """The sharding levels paraloom trains on a grid (parallel.shard): on whole replicas (tp = pp = 1)
-    the optimizer alone, and without pipeline stages gradients, full and, across nodes, hybrid (a
+    the optimizer alone, and gradients, full and, across nodes, hybrid (a
     node's data-parallel ranks shard one copy of their tp slices); with accumulation (m > 1) each
     fully sharded level both ways its gradients add up (parallel.shard_accumulate: unsharded, one
-    reduction; sharded, less memory and m reductions)."""
-    if dp == 1 or pp > 1:
+    reduction; sharded, less memory and m reductions). With pipeline stages (pp > 1) each stage is
+    sharded over its data-parallel ranks and its units stay gathered through the step's micro-batches,
+    so gradients and full are one plan there: full."""
+    if dp == 1:
         return []
-    levels = ("optimizer", "gradients", "full") if tp == 1 else ("gradients", "full")
-    out = [Plan(dp=dp, tp=tp, microbatches=m, shard=level) for level in levels]
+    levels = ("optimizer", "gradients", "full") if tp == pp == 1 else ("gradients", "full") if pp == 1 \
+        else ("full",)
+    out = [Plan(dp=dp, tp=tp, pp=pp, microbatches=m, shard=level) for level in levels]
     node = hw.devices_per_node // tp  # data-parallel ranks a node holds (tp groups inside a node)
     if 1 < node < dp and dp % node == 0:
-        out.append(Plan(dp=dp, tp=tp, microbatches=m, shard="hybrid", shard_group=node))
+        out.append(Plan(dp=dp, tp=tp, pp=pp, microbatches=m, shard="hybrid", shard_group=node))
     if m > 1:
         out += [replace(p, shard_accumulate="sharded") for p in out if p.shard != "optimizer"]
     return out

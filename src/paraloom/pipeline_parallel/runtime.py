@@ -91,6 +91,15 @@ class StepStats:
         return 1 - self.busy_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
+def _storage_of(t: torch.Tensor) -> int | None:
+    """The address of a tensor's storage; a DTensor's (a sharded parameter) is its local shard's."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
+        return None
+
+
 class _Held:
     """Bytes of distinct storages one micro-batch keeps alive for its backward (parameters excluded)."""
 
@@ -128,7 +137,7 @@ class StepRun:
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
         # (micro-batch, chunk) -> (input, output|loss, bytes)
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self.params = {p.untyped_storage().data_ptr() for p in stage.module.parameters()}
+        self.params = {_storage_of(p) for p in stage.module.parameters()}
         self.busy = self.steady_wait = 0.0
         self.k, self.last_end = 0, 0.0  # the action running; when the previous one's compute ended
         self.held = self.peak = 0

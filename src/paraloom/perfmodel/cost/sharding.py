@@ -7,7 +7,10 @@ with tensor parallelism (`plan.tp`) each tp rank's slices are sharded over its d
 a 1/tp share of every unit.
 Per micro-batch every unit is all-gathered before its forward and, resharded after forward (`full`,
 `hybrid`), again before its backward; after the last micro-batch's backward its gradients are
-reduce-scattered (hybrid: inside a node, then all-reduced across the replicas in shards). A
+reduce-scattered (hybrid: inside a node, then all-reduced across the replicas in shards). With
+pipeline stages (`plan.pp` > 1) each stage is sharded over its data-parallel ranks and priced as
+one such model: its units are gathered at its first micro-batch and kept until the step's last
+backward (no gather per micro-batch, the whole stage gathered meanwhile). A
 unit's gather overlaps the previous unit's compute (prefetch), a reduce-scatter the backward of the
 units before it: what shows is the first unit's gather, the last unit's reduction, and whatever
 the collectives of a phase take beyond its compute.
@@ -55,7 +58,8 @@ def sharded_state(part: ModelProfile, plan, optimizer: str, group: int, *, prefe
     unit = max(layer.param_count for layer in part.layers) / plan.tp
     shards = params * 4.0 / group
     optimizer_bytes = params * 4.0 * OPTIMIZER_STATES[optimizer] / group
-    kept = plan.shard == "gradients" or not reshard  # every unit stays gathered from forward to backward
+    # every unit stays gathered from forward to backward (a pipeline stage's: all step)
+    kept = plan.shard == "gradients" or not reshard or plan.pp > 1
     accumulating = plan.microbatches > 1
     unsharded_sums = accumulating and plan.shard_accumulate == "unsharded"
     # forward: the units gathered, and what earlier micro-batches' gradients left
@@ -111,14 +115,15 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     replicas = plan.dp // group
     if replicas > 1:
         reduce += allreduce_time(params * 4.0 / group, replicas, inter_link)
-    regather = plan.shard != "gradients" and reshard
+    regather = plan.shard != "gradients" and reshard and plan.pp == 1
     reductions = microbatches if plan.shard_accumulate == "sharded" else 1
-    forward_comm = gather * microbatches
-    backward_comm = gather * microbatches * regather + reduce * reductions
+    gathers = 1 if plan.pp > 1 else microbatches  # a pipeline stage's units: gathered once a step
+    forward_comm = gather * gathers
+    backward_comm = gather * gathers * regather + reduce * reductions
     first, last = gather * unit, reduce * unit  # nothing to overlap the first gather, the last reduction
     exposed = first + max(0.0, forward_comm - first - fwd) + last + max(0.0, backward_comm - last - bwd)
     if gloo:
         exposed = forward_comm + backward_comm
-    handled = params * compute * microbatches * (1 + regather) + params * 4.0 * reductions
+    handled = params * compute * gathers * (1 + regather) + params * 4.0 * reductions
     exposed += handled * host_rate
     return exposed, forward_comm + backward_comm

@@ -150,7 +150,9 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
         update /= shards
         link = dp_link(hw, plan) if plan.shard != "hybrid" else \
             group_link(shards, hw.devices_per_node, hw.intra, hw.inter, stride=plan.tp)
-        dp_exposed, dp_total = sharded_sync(profile, plan, sum(fwd) * m, sum(bwd) * m, link, hw.inter,
+        # the stage with the most parameters (pp = 1: the whole model) gathers and reduces the longest
+        dp_exposed, dp_total = sharded_sync(profile.slice(start, stop), plan, sum(fwd[start:stop]) * m,
+                                            sum(bwd[start:stop]) * m, link, hw.inter,
                                             shards, m, reshard=opts.reshard_after_forward,
                                             host_rate=hw.constants.get(HOST_RATE, 0.0) * slow,
                                             gloo="host_cores" in hw.constants)

@@ -12,10 +12,17 @@ reshards when another number of ranks resumes; the saved model is one full state
 With `parallel.tp` > 1 every rank first cuts its tensor-parallel slice of the model (its plan, as
 the model-parallel strategy does), and the slices are sharded over the rank's data-parallel ranks
 (a dp x tp mesh); checkpoints keep each tp rank's slices apart, resuming at the same tp.
+With `parallel.pp` > 1 every rank keeps its pipeline stage's pieces (balanced and tp-split as the
+model-parallel strategy places them) and shards those over the stage's data-parallel ranks (a
+pp x dp x tp mesh); a step runs the pipeline schedule over the stage, whose units are gathered at the
+first micro-batch and kept until the step's last backward, which reduce-scatters (no gather per
+micro-batch; the backwards before it add the gradients up whole, or reduce-scatter them into the
+shards with `shard_accumulate=sharded`). Checkpoints keep each stage's shards apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -37,6 +44,7 @@ from paraloom.config.errors import UserError
 from paraloom.data import DataSets
 from paraloom.data_parallel.fully_sharded import (
     DTYPES,
+    FSDPModule,
     apply_sharding,
     broadcast_from_first,
     count_collectives,
@@ -55,6 +63,8 @@ from paraloom.models.make import make_model
 from paraloom.optim.finite import all_finite
 from paraloom.optim.groups import mark_no_decay
 from paraloom.optim.recipe import Recipe
+from paraloom.pipeline_parallel import PipelineStage, split_microbatches
+from paraloom.pipeline_parallel.stages import gather_stages
 from paraloom.tensor_parallel import (
     apply_tp_plan,
     full_state_dict,
@@ -65,9 +75,11 @@ from paraloom.tensor_parallel import (
     trace_tensor_parallel,
 )
 from paraloom.tensor_parallel.mappings import gather_from_region
+from paraloom.topology import Topology
 from paraloom.trace import Timeline, trace_modules
 from paraloom.train.loss_eval import batch_loss, chunks, evaluate, planned_steps
 from paraloom.train.strategies.base import StepResult, Strategy, register_strategy
+from paraloom.train.strategies.model_parallel import EVAL_BATCH, place_stage
 
 
 @register_strategy
@@ -81,29 +93,46 @@ class FullyShardedStrategy(Strategy):
                  timeline: Timeline | None) -> None:
         self.cfg, self.data, self.device = cfg, data, device
         par, world = cfg.parallel, dist.get_world_size()
-        dp, self.tp = cfg.grid(world)[:2]  # pp = 1 (config rules)
-        self.dp_rank, self.tp_rank = divmod(dist.get_rank(), self.tp)
+        dp, self.tp, self.pp = cfg.grid(world)
+        coord = Topology(dp=dp, tp=self.tp, pp=self.pp).coord(dist.get_rank())
+        self.pp_rank, self.dp_rank, self.tp_rank = coord
         self.dp_world_size = dp
         model = make_model(cfg, data).to(device)
         broadcast_from_first(model)  # the whole model: every tp rank then cuts its slice of the same one
         # hybrid's groups: a node's ranks (torchrun's LOCAL_WORLD_SIZE) unless parallel.shard_group says
         group_size = par.shard_group or max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)) // self.tp)
         self.mesh = shard_mesh(par.shard, world_size=dp, group_size=group_size, device_type=device.type,
-                               tp=self.tp)
+                               tp=self.tp, pp=self.pp)
         self.tp_group = self.mesh.get_group("tp") if self.tp > 1 else None
-        self.dp_group = data_group(self.mesh) if self.tp > 1 else None
-        if self.tp > 1:
+        self.dp_group = data_group(self.mesh) if self.tp * self.pp > 1 else None
+        if self.tp * self.pp > 1:
+            self._refuse_sliced()
+        self.stage: PipelineStage | None = None
+        whole = model
+        if self.pp > 1:  # this rank keeps its stage's pieces (tp-split): the stage is what is sharded
+            self.m = par.microbatches
+            self.schedule = par.schedule
+            self.v = par.virtual_stages if self.schedule == "interleaved_1f1b" else 1
+            self.drop_last = True  # every step's micro-batches alike (the stage's static shapes)
+            placed = place_stage(cfg, data, model, grid=(dp, self.tp, self.pp), pp_rank=self.pp_rank,
+                                 tp_group=self.tp_group, v=self.v, m=self.m, sync_tp=False)
+            model, whole = placed.module.to(device), placed.model
+            self.bounds, self.full_shapes, self.names = placed.bounds, placed.full_shapes, placed.names
+        elif self.tp > 1:
             self._split(model)
         if timeline is not None:
             trace_modules(model, timeline)
             trace_tensor_parallel(model, timeline)
-        self.units = find_units(model, par.shard_units)
+        kept = {id(m) for m in model.modules()}  # units as the whole model names them, of this stage
+        self.units = [(n, m) for n, m in find_units(whole, par.shard_units) if id(m) in kept]
         self.placements = (Replicate(), Shard(0)) if par.shard == "hybrid" else (Shard(0),)
         compute = DTYPES[cfg.run.precision] if cfg.run.precision != "fp32" else None
         reduce = DTYPES[par.shard_reduce_dtype] if compute is not None else None
         self.sizes = self._unit_bytes(model, compute)
         self.model = apply_sharding(model, self.units, data_mesh(self.mesh), level=par.shard,
-                                    reshard_after_forward=par.reshard_after_forward, param_dtype=compute,
+                                    # a pipeline gathers a unit once a step, not per micro-batch
+                                    reshard_after_forward=par.reshard_after_forward and self.pp == 1,
+                                    param_dtype=compute,
                                     reduce_dtype=reduce, prefetch=par.shard_prefetch)
         self.stats = CommStats()
         self.counted = count_collectives(self.units, self.model, self.stats, timeline)
@@ -117,23 +146,30 @@ class FullyShardedStrategy(Strategy):
         self.optimizer = self.recipe.optimizer
         self.comm_bytes = 0
         self.held: dict[str, int] = {}  # the most bytes this rank held, by kind (held_bytes)
+        if self.pp > 1:
+            self._pipeline(timeline)
+
+    def _refuse_sliced(self) -> None:
+        """What does not run yet where a rank holds a slice of the model (tp) or a stage of it (pp)."""
+        cfg, layout = self.cfg, f"parallel.tp={self.tp}" if self.pp == 1 else f"parallel.pp={self.pp}"
+        if self.data.loss == "model":
+            raise UserError("tensor and pipeline parallelism compute the loss from the model's logits; a "
+                            "data set whose model returns its own loss (loss='model') trains sharded with "
+                            "parallel.tp=1 and parallel.pp=1")
+        if cfg.optim.name.lower() in ("lars", "lamb"):
+            raise UserError(f"optim.name={cfg.optim.name} with parallel.shard={cfg.parallel.shard} and "
+                            f"{layout}: its per-tensor trust ratio is not summed over slices, stages and "
+                            "shards together yet; use tp=1 and pp=1, or parallel.shard=optimizer")
+        if cfg.optim.ema is not None:
+            raise UserError(f"optim.ema with parallel.shard={cfg.parallel.shard} and {layout}: the average's "
+                            "slices and stages are not yet kept apart in checkpoints; use tp=1 and pp=1 for "
+                            "an EMA")
 
     def _split(self, model: torch.nn.Module) -> None:
         """Cut every layer its tensor-parallel plan names into this rank's slice (the config's
         model.tp_plan, or the model's own), as the model-parallel strategy does."""
-        cfg = self.cfg
-        if self.data.loss == "model":
-            raise UserError("tensor parallelism computes the loss from the model's logits; a data set whose "
-                            "model returns its own loss (loss='model') trains sharded with parallel.tp=1")
-        if cfg.optim.name.lower() in ("lars", "lamb"):
-            raise UserError(f"optim.name={cfg.optim.name} with parallel.shard={cfg.parallel.shard} and "
-                            f"parallel.tp={self.tp}: its per-tensor trust ratio is not summed over tp slices "
-                            "and shards together yet; use tp=1, or parallel.shard=optimizer")
-        if cfg.optim.ema is not None:
-            raise UserError(f"optim.ema with parallel.shard={cfg.parallel.shard} and parallel.tp={self.tp}: "
-                            "the average's tp slices are not yet kept apart in checkpoints; use tp=1 for an "
-                            "EMA")
-        apply_tp_plan(model, plan_for(cfg.model.tp_plan, model, self.tp), self.tp_group, sync_weights=False)
+        plan = plan_for(self.cfg.model.tp_plan, model, self.tp)
+        apply_tp_plan(model, plan, self.tp_group, sync_weights=False)
 
     def _unit_bytes(self, model: torch.nn.Module, compute: torch.dtype | None) -> tuple[int, int]:
         """(bytes a step's all-gathers are handed per micro-batch, bytes its reduce-scatters are handed),
@@ -144,11 +180,13 @@ class FullyShardedStrategy(Strategy):
         element = (compute or torch.float32).itemsize
         reduce_element = DTYPES[par.shard_reduce_dtype].itemsize if compute is not None else 4
         shards = self.mesh.size(self.mesh.mesh_dim_names.index("shard"))
-        regathered = par.reshard_after_forward and par.shard != "gradients"
+        regathered = par.reshard_after_forward and par.shard != "gradients" and self.pp == 1
         return (1 + regathered) * -(-numel // shards) * element, numel * reduce_element
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int, *, scale: float, step: int,
                    saving: bool) -> StepResult:
+        if self.stage is not None:
+            return self._pipeline_step(x, y, note=step <= 2 or saving)
         began, recipe = time.perf_counter(), self.recipe
         pieces, loss_sum = chunks(x, y, recipe.accumulate), 0.0
         deferred = self.cfg.parallel.shard_accumulate == "unsharded"
@@ -175,6 +213,72 @@ class FullyShardedStrategy(Strategy):
         terms = {"compute": computed, "communication": 0.0, "codec": 0.0, "update": update}
         return StepResult(stepped, loss_sum, computed, own_skip, terms)
 
+    # ---- with pipeline parallelism: this rank's stage is what is sharded
+
+    def _pipeline(self, timeline: Timeline | None) -> None:
+        """The pipeline stage that runs the sharded stage's schedule (static shapes: drop_last)."""
+        smoothing, tp_group = self.cfg.optim.label_smoothing, self.tp_group
+        self.loss_factor = 1.0  # of the loss back-propagated: fp16's scale / the accumulated runs
+        loss_fn = lambda out, y: tp_loss(out, y, tp_group, smoothing=smoothing) * self.loss_factor  # noqa: E731
+        last = self.pp_rank == self.pp - 1
+        self.stage = PipelineStage(self.model, pp_group=self.mesh.get_group("pp"), static_shapes=True,
+                                   loss_fn=loss_fn if last else None, timeline=timeline,
+                                   virtual_stages=self.v)
+
+    def _backward_mode(self, last: bool) -> None:
+        """How the next backward leaves the stage's units: on a step's last, gradients reduce-scattered and
+        the units resharded; before it, kept gathered (no re-gather per micro-batch) with gradients
+        accumulated whole (`shard_accumulate=unsharded`) or reduce-scattered into the shards."""
+        set_gradient_sync(self.model, last or self.cfg.parallel.shard_accumulate == "sharded")
+        self.model.set_reshard_after_backward(last, recurse=True)
+
+    @contextlib.contextmanager
+    def _holding(self, final: bool):
+        """Every backward of a pipeline step but its last (`PipelineStage.step`'s no_sync): units kept."""
+        self._backward_mode(False)
+        try:
+            yield
+        finally:
+            self._backward_mode(final)
+
+    def _reshard(self) -> None:
+        """Free every gathered unit (after a forward-only pass, or a step a unit's last backward left)."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, *, note: bool) -> StepResult:
+        """One step of a replica's batch through the stages: k accumulation runs of the schedule over
+        its micro-batches, units gathered once and reduce-scattered at the end (or every micro-batch)."""
+        began, recipe, k = time.perf_counter(), self.recipe, self.recipe.accumulate
+        scale = recipe.scaler.scale if recipe.scaler is not None else 1.0  # (batches are whole: drop_last)
+        self.loss_factor, loss, busy = scale / k, None, 0.0
+        first, last = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        for i, (xs, ys) in enumerate(zip(x.tensor_split(k), y.tensor_split(k), strict=True)):
+            final = i == k - 1
+            self._backward_mode(final)
+            inputs = split_microbatches(xs, self.m) if first else None
+            targets = split_microbatches(ys, self.m) if last else None
+            part, measured = self.stage.step(self.schedule, inputs, targets, n_microbatches=self.m,
+                                             no_sync=lambda final=final: self._holding(final))
+            loss = part if loss is None else loss + part if part is not None else None
+            busy += measured.busy_seconds
+        self._reshard()  # a no-op unless a unit's last backward was not the step's
+        stepped = self._finite() if self.cfg.guard.nan else True
+        if stepped:
+            self.optimizer.step()  # its pre-hooks unscale (fp16) and clip
+        if note:  # the optimizer's state exists from the first step on
+            self._note_held()
+        self.optimizer.zero_grad(set_to_none=True)
+        own_skip = recipe.after_step(stepped)
+        if not self.counted:
+            gathers, reduced = self.sizes
+            summed_sharded = self.cfg.parallel.shard_accumulate == "sharded"
+            self.comm_bytes += gathers + reduced * (k * self.m if summed_sharded else 1)
+        update = time.perf_counter() - began - busy
+        terms = {"compute": busy, "communication": 0.0, "codec": 0.0, "update": update}
+        return StepResult(stepped, loss / scale if loss is not None else None, busy, own_skip, terms)
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to back-propagate, this shard's summed loss) as `batch_loss`; with tensor parallelism
         from vocabulary-parallel logits (`tp_loss`), the mean over targets times the samples."""
@@ -197,6 +301,11 @@ class FullyShardedStrategy(Strategy):
         self.held = {key: max(value, self.held.get(key, 0)) for key, value in held.items()}
 
     def loss_value(self, result: StepResult, global_count: int) -> float:
+        if self.stage is not None:  # the last stages' mean losses (tp rank 0 of each), over the replicas
+            reports = self.pp_rank == self.pp - 1 and self.tp_rank == 0
+            t = torch.tensor([float(result.loss) if reports else 0.0], dtype=torch.float64)
+            dist.all_reduce(t)
+            return float(t) / self.dp_world_size
         dist.all_reduce(result.loss)  # metric only, not counted; every tp rank holds its replica's loss
         return float(result.loss) / global_count / self.tp
 
@@ -217,16 +326,23 @@ class FullyShardedStrategy(Strategy):
     def _evaluate(self) -> dict[str, Any]:
         # every rank scores its slice; a sharded model gathers its units in each forward, so every rank
         # makes as many forwards as the one with most batches (`lockstep`)
-        if self.tp == 1:
+        if self.tp * self.pp == 1:
             return evaluate(self.model, self.data, None, self.device, lockstep=True)
+        first, last = self.pp_rank == 0, self.pp_rank == self.pp - 1
 
-        def forward(x: torch.Tensor) -> torch.Tensor:  # vocabulary-parallel logits gathered for the argmax
-            out = self.model(x)
-            return gather_from_region(out, self.tp_group) if is_tp_sharded(out) else out
+        def forward(x: torch.Tensor) -> torch.Tensor | None:  # vocabulary-parallel logits gathered
+            out = self.model(x) if self.stage is None else \
+                self.stage.infer(x if first else None, module=self.model)  # first feeds, last scores
+            return gather_from_region(out, self.tp_group) if out is not None and is_tp_sharded(out) else out
 
-        # the tp ranks of a replica score the same slice (their data-parallel group's), counted once
-        return evaluate(self.model, self.data, self.dp_group, self.device, lockstep=True, forward=forward,
-                        sum_group=dist.group.WORLD, counts=self.tp_rank == 0)
+        # the tp ranks and stages of a replica score the same slice (their data-parallel group's), its
+        # last stage's tp rank 0 counts it
+        results = evaluate(self.model, self.data, self.dp_group, self.device, lockstep=True, forward=forward,
+                           sum_group=dist.group.WORLD, counts=last and self.tp_rank == 0,
+                           **({"batch": EVAL_BATCH} if self.stage is not None else {}))
+        if self.stage is not None:
+            self._reshard()  # a pipeline's units stay gathered after a forward
+        return results
 
     def epoch_end(self) -> float | None:
         return self._evaluate()["test_accuracy"]
@@ -236,27 +352,44 @@ class FullyShardedStrategy(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         # with tensor parallelism every rank gathers its tp slice whole over its data-parallel ranks,
-        # then the tp group its slices (collective over both, on every rank)
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=self.tp == 1))
+        # then the tp group its slices (collective over both, on every rank); with pipeline parallelism
+        # that is the stage's, which its first rank then sends to rank 0
+        state = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=self.tp * self.pp == 1))
         if self.tp > 1:
             state = full_state_dict(self.model, self.tp_group, state=state)
+        if self.stage is not None:
+            topology = Topology(dp=self.dp_world_size, tp=self.tp, pp=self.pp)
+            sources = [topology.rank(pp=u % self.pp) for u in range(self.pp * self.v)]
+            stages = self.pp_rank if self.v == 1 else [c * self.pp + self.pp_rank for c in range(self.v)]
+            state = {key: value.cpu() for key, value in state.items()}
+            return gather_stages(state, self.bounds, stages, self.full_shapes,
+                                 sender=self.dp_rank == 0 and self.tp_rank == 0, source_of=sources,
+                                 names=self.names)
         return state if dist.get_rank() == 0 else None
+
+    def _namespace(self) -> str | None:
+        """This rank's part of a checkpoint where ranks hold different tensors of one name (a tp slice,
+        a pipeline stage's pieces): those are kept apart, each sharded over its data-parallel ranks."""
+        if self.pp > 1:
+            return f"pp{self.pp_rank}of{self.pp}" + (f"_tp{self.tp_rank}of{self.tp}" if self.tp > 1 else "")
+        return f"tp{self.tp_rank}of{self.tp}" if self.tp > 1 else None
 
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = get_state_dict(self.model, self.optimizer)
         state = {"model": model, "optimizer": optimizer, "recipe": self.recipe.state_dict()}
-        # each tp rank's slices are tensors of their own, sharded over its data-parallel ranks
-        return {f"tp{self.tp_rank}of{self.tp}": state} if self.tp > 1 else state
+        own = self._namespace()
+        return {own: state} if own is not None else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        own = f"tp{self.tp_rank}of{self.tp}"
-        if self.tp > 1 or any(key.startswith("tp") and "of" in key for key in state):
+        own = self._namespace()
+        if own is not None or any(key.startswith(("tp", "pp")) and "of" in key for key in state):
             if own not in state:
-                raise UserError(f"this checkpoint was saved at another tensor-parallel size than "
-                                f"parallel.tp={self.tp} with parallel.shard={self.cfg.parallel.shard}; "
-                                "resume it at the tp it was saved with (the data-parallel size may change), "
-                                "or set another run.out_dir to start afresh")
+                raise UserError(f"this checkpoint was saved at another tensor- or pipeline-parallel size "
+                                f"than parallel.tp={self.tp} and parallel.pp={self.pp} with parallel.shard="
+                                f"{self.cfg.parallel.shard}; resume it at the tp and pp it was saved with "
+                                "(the data-parallel size may change), or set another run.out_dir to start "
+                                "afresh")
             state = state[own]
         if "engine" in state:  # a data-parallel run's checkpoint: whole tensors, optimizer state by index
             if state["engine"]["updater"]:  # plain synchronous sync keeps none
@@ -285,7 +418,20 @@ class FullyShardedStrategy(Strategy):
         return None  # DCP reshards every DTensor into this run's layout (at the tp it was saved with)
 
     def resize_sources(self, saved_world: int, saved_grid: list[int] | None) -> list[int]:
-        return [self.tp_rank]  # the saved world's first replica: rank t holds tp slice t's skeleton
+        """The saved rank of the first data-parallel replica that held this rank's tp slice and stage:
+        its checkpoint part names the tensors this rank loads (DCP reshards them over the new dp)."""
+        saved_tp, saved_pp = saved_grid if saved_grid is not None else (self.tp, 1)
+        if (saved_tp, saved_pp) != (self.tp, self.pp):
+            raise UserError(f"this checkpoint was saved at parallel.tp={saved_tp} and parallel.pp="
+                            f"{saved_pp}, "
+                            f"this run has tp={self.tp} and pp={self.pp} with parallel.shard="
+                            f"{self.cfg.parallel.shard}: resume it at the tp and pp it was saved with (the "
+                            "data-parallel size may change), or set another run.out_dir to start afresh")
+        saved_dp = saved_world // (self.tp * self.pp)
+        return [Topology(dp=saved_dp, tp=self.tp, pp=self.pp).rank(pp=self.pp_rank, tp=self.tp_rank)]
+
+    def grid_record(self) -> list[int] | None:
+        return [self.tp, self.pp] if self.pp > 1 else None  # (tp alone: None, as runs before pp kept)
 
     def load_resized(self, state: dict[str, Any], saved_world: int, others: list[dict[str, Any]]) -> None:
         self.load_state_dict(state)
@@ -293,6 +439,10 @@ class FullyShardedStrategy(Strategy):
     def summary(self) -> dict[str, Any]:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.held)
-        return {"shard": {"level": self.cfg.parallel.shard, "units": describe(self.units),
-                          "mesh": list(self.mesh.shape),
-                          "held_mb_per_rank": [{k: v / 2**20 for k, v in held.items()} for held in gathered]}}
+        out = {"shard": {"level": self.cfg.parallel.shard, "units": describe(self.units),
+                         "mesh": list(self.mesh.shape),
+                         "held_mb_per_rank": [{k: v / 2**20 for k, v in held.items()} for held in gathered]}}
+        if self.stage is not None:
+            out["shard"].update(pipeline={"pp": self.pp, "schedule": self.schedule, "microbatches": self.m,
+                                          "virtual_stages": self.v, "partition": [list(b) for b in self.bounds]})
+        return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +60,54 @@ EVAL_BATCH = 64
 def _median(values: list[float]) -> float:
     """The first steps warm up allocators and caches."""
     return statistics.median(values[2:] or values) if values else 0.0
+
+
+@dataclass
+class Placement:
+    """One rank's pipeline stage and what gathering the whole model needs."""
+
+    module: nn.Module  # the stage's pieces (nn.Sequential), or its chunks (`Chunks`), tp-split
+    model: nn.Module  # the whole model, its layers split by the tp plan (the stage's modules are its own)
+    bounds: list[tuple[int, int]]  # each virtual stage's [first, last) pieces
+    full_shapes: dict[str, tuple[torch.Size, torch.dtype]]  # the whole model's keys, shapes and dtypes
+    names: list[str]  # each piece's name in the model
+
+
+def place_stage(cfg: Config, data: DataSets, full: nn.Module, *, grid: tuple[int, int, int], pp_rank: int,
+                tp_group: dist.ProcessGroup | None, v: int, m: int, sync_tp: bool = True) -> Placement:
+    """Balance the pieces of `full` (the whole model, built from the seed) over the pp x v virtual
+    stages, split it over the tp group by its plan (names as the user's model has them), keep stage
+    `pp_rank`'s pieces (chunk c: virtual stage c pp + pp_rank). `sync_tp`: the tp group first takes
+    its first rank's weights of the kept pieces (False: every rank already holds the same)."""
+    dp, tp, pp = grid
+    if data.loss == "model":
+        raise UserError("tensor and pipeline parallelism compute the loss on the last stage; a data set "
+                        "whose model returns its own loss (loss='model') trains under dp or ps only")
+    whole = pp * v == 1  # one stage: a model that lists no pieces is one
+    pieces = model_pieces(full, whole=whole)
+    if pp * v > len(pieces):
+        raise UserError(f"{pp * v} pipeline stages (virtual ones included) exceed model.name="
+                        f"{cfg.model.name}'s {len(pieces)} pieces; lower parallel.pp or use a deeper "
+                        "model")
+    per_replica = cfg.data.batch_size // dp // cfg.optim.accumulate
+    sample = next(iter(DataLoader(data.train, batch_size=max(1, per_replica // m), collate_fn=collate)))[0]
+    bounds = balance(pieces, pp * v, by=cfg.parallel.balance, sample=sample)  # virtual stages
+    # the whole model's keys and shapes, for gathering it into one state dict (save_model)
+    full_shapes = {key: (value.shape, value.dtype)
+                   for key, value in nn.Sequential(*pieces).state_dict().items()}
+    names = piece_names(full, pieces)
+    stages = [c * pp + pp_rank for c in range(v)]
+    if tp > 1:
+        plan = plan_for(cfg.model.tp_plan, full, tp)
+        if sync_tp:  # every rank of the tp group takes its first rank's weights, of the pieces it keeps
+            kept = [piece for u in stages for piece in pieces[bounds[u][0]:bounds[u][1]]]
+            sync_weights_from_first(nn.ModuleList(kept), tp_group)
+        apply_tp_plan(full, plan, tp_group, sync_weights=False)
+        mark_no_decay(full, cfg.optim.no_decay)  # the split layers' parameters are new ones
+        pieces = model_pieces(full, whole=whole)  # a piece the plan replaced is its parallel layer now
+    module = stage_module(pieces, bounds, pp_rank) if v == 1 else \
+        Chunks(stage_module(pieces, bounds, u) for u in stages)
+    return Placement(module, full, bounds, full_shapes, names)
 
 
 @register_strategy
@@ -111,38 +160,11 @@ class ModelParallelStrategy(EngineStrategy):
         self.peak_activation = 0
 
     def _place(self, data: DataSets, device: torch.device) -> nn.Module:
-        """Build the whole model, balance its pieces over the stages, split it over the tp group
-        by its plan (names as the user's model has them), keep this rank's stage."""
-        cfg, (dp, tp, pp) = self.cfg, self.grid
-        if data.loss == "model":
-            raise UserError("tensor and pipeline parallelism compute the loss on the last stage; a data set "
-                            "whose model returns its own loss (loss='model') trains under dp or ps only")
-        full = make_model(cfg, data)
-        whole = pp * self.v == 1  # one stage: a model that lists no pieces is one
-        pieces = model_pieces(full, whole=whole)
-        if pp * self.v > len(pieces):
-            raise UserError(f"{pp * self.v} pipeline stages (virtual ones included) exceed model.name="
-                            f"{cfg.model.name}'s {len(pieces)} pieces; lower parallel.pp or use a deeper "
-                            "model")
-        per_replica = cfg.data.batch_size // dp // cfg.optim.accumulate
-        sample = next(iter(DataLoader(data.train, batch_size=per_replica // self.m, collate_fn=collate)))[0]
-        self.bounds = balance(pieces, pp * self.v, by=cfg.parallel.balance, sample=sample)  # virtual stages
-        # the whole model's keys and shapes, for gathering it into one state dict (save_model)
-        self.full_shapes = {key: (value.shape, value.dtype)
-                            for key, value in nn.Sequential(*pieces).state_dict().items()}
-        self.names = piece_names(full, pieces)
-        if tp > 1:
-            plan = plan_for(cfg.model.tp_plan, full, tp)
-            # every rank of the tp group takes its first rank's weights, of the pieces this rank keeps only
-            stages = self.virtual_stages() if self.v > 1 else [self.groups.pp_rank]
-            kept = [piece for u in stages for piece in pieces[self.bounds[u][0]:self.bounds[u][1]]]
-            sync_weights_from_first(nn.ModuleList(kept), self.groups.tp_group)
-            apply_tp_plan(full, plan, self.groups.tp_group, sync_weights=False)
-            mark_no_decay(full, cfg.optim.no_decay)  # the split layers' parameters are new ones
-            pieces = model_pieces(full, whole=whole)  # a piece the plan replaced is its parallel layer now
-        if self.v == 1:
-            return stage_module(pieces, self.bounds, self.groups.pp_rank).to(device)
-        return Chunks(stage_module(pieces, self.bounds, u) for u in self.virtual_stages()).to(device)
+        """This rank's stage (its tp slice), and what gathering the whole model needs (`place_stage`)."""
+        placed = place_stage(self.cfg, data, make_model(self.cfg, data), grid=self.grid,
+                             pp_rank=self.groups.pp_rank, tp_group=self.groups.tp_group, v=self.v, m=self.m)
+        self.bounds, self.full_shapes, self.names = placed.bounds, placed.full_shapes, placed.names
+        return placed.module.to(device)
 
     def virtual_stages(self) -> list[int]:
         """The virtual stages this rank holds, chunk by chunk (chunk c of stage s is c pp + s)."""
