@@ -59,7 +59,8 @@ TINY = {"vocab": 256, "seq": 16, "layers": 2, "width": 32, "heads": 2}
 # the held variants as the model's plans: (shard level, parallel.shard_prefetch); the bare loop gets
 # torch's implicit prefetch only, as paraloom at shard_prefetch=0
 HELD_PLANS = {"ddp": ("none", 1), "fully_shard": ("full", 0), "paraloom_gradients": ("gradients", 1),
-              "paraloom_full": ("full", 1), "paraloom_full_no_prefetch": ("full", 0)}
+              "paraloom_full": ("full", 1), "paraloom_full_no_prefetch": ("full", 0),
+              "paraloom_full_pp2": ("full", 1)}  # dp2 x pp2, one micro-batch: stage 0, kept gathered
 
 
 def memory_model(held: dict[str, Any], shape: dict[str, int], batch: int) -> dict[str, Any]:
@@ -77,8 +78,13 @@ def memory_model(held: dict[str, Any], shape: dict[str, int], batch: int) -> dic
     for name, (level, prefetch) in HELD_PLANS.items():
         if name not in held:
             continue
-        kinds = stage_memory(profile, Plan(dp=world, shard=level), 0, batch,
-                             Options(optimizer="adam", shard_prefetch=prefetch), shard_size=world)
+        part, plan, group = profile, Plan(dp=world, shard=level), world
+        if name.endswith("_pp2"):  # rank 0's stage (the layers its parameters add up to), over 2 ranks
+            stop = next(k for k in range(1, len(profile.layers) + 1)
+                        if profile.slice(0, k).n_params >= held[name]["n_params"])
+            part, plan, group = profile.slice(0, stop), Plan(dp=2, pp=2, shard=level), 2
+        kinds = stage_memory(part, plan, 0, batch, Options(optimizer="adam", shard_prefetch=prefetch),
+                             shard_size=group)
         predicted = kinds["weights"] + kinds["grads"] + kinds["optimizer"]
         out[name] = {"predicted": predicted, "measured": held[name]["peak_state"],
                      "rel_err": predicted / held[name]["peak_state"] - 1}
@@ -299,11 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-only", action="store_true",
                         help="only the model's step time on sharded plans (emulated clusters, root), added "
                              "to the report at --json if there is one")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the memory part, its entries replaced in the report at --json if there "
+                             "is one")
     parser.add_argument("--explain", action="store_true",
                         help="add the bare loop clipping as paraloom does, and paraloom without prefetch")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
-    held_options = {"model": TINY if args.quick else BIG, "batch": 2, "levels": ["gradients", "full"]}
+    held_options = {"model": TINY if args.quick else BIG, "batch": 2, "levels": ["gradients", "full"],
+                    "pipeline": True}
     speed_options = {"model": TINY if args.quick else SMALL, "batch": 8, "level": "full", "warmup": 2,
                      "steps": 2 if args.quick else 3,
                      "repeats": min(args.repeats, 2) if args.quick else args.repeats,
@@ -311,9 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"options": {"held": held_options, "speed": speed_options}, "speed": {}}
     console = Console(width=120)
     emulate = not args.no_emulate and os.geteuid() == 0
-    if args.model_only and Path(args.json).is_file():
+    if (args.model_only or args.memory_only) and Path(args.json).is_file():
         report = json.loads(Path(args.json).read_text())
-    if args.model_only or not args.quick:
+        if args.memory_only:
+            report.setdefault("options", {})["held"] = held_options
+    if (args.model_only or not args.quick) and not args.memory_only:
         report["step_model"] = None
     if not args.model_only:
         held = {} if args.speed_only else \
@@ -326,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         clusters: dict[str, int | None] = {"loopback_4": None}
         if emulate and not args.quick:
             clusters["emulated_4x1gbit"] = 4
-        _speed(report, speed_options, clusters, args.json, console)
-    if emulate and (args.model_only or not args.quick):
+        if not args.memory_only:
+            _speed(report, speed_options, clusters, args.json, console)
+    if emulate and (args.model_only or not args.quick) and not args.memory_only:
         report["step_model"] = step_model(args.quick, console,
                                           lambda part: write_json(args.json, {**report, "step_model": part}))
         _show_steps(report["step_model"], console)

@@ -14,7 +14,9 @@ def test_sharding_benchmark_quick(tmp_path):
     report = json.loads(out.read_text())
     held = report["held"]
     assert set(held) == {"ddp", "fully_shard", "paraloom_gradients", "paraloom_full",
-                         "paraloom_full_no_prefetch"}
+                         "paraloom_full_no_prefetch", "paraloom_full_pp2"}
+    # dp2 x pp2: rank 0's stage (about half the model) sharded over 2 ranks, also about a quarter at rest
+    assert held["paraloom_full_pp2"]["n_params"] < held["ddp"]["n_params"]
     ddp = held["ddp"]
     assert ddp["optimizer"] == 2 * ddp["params"]  # AdamW's two moments
     assert ddp["peak_state"] >= ddp["total"]  # DDP holds its whole state throughout

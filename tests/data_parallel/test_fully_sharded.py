@@ -98,8 +98,8 @@ def test_sharding_settings_that_cannot_run_are_refused_in_one_line():
     for settings, message in cases.items():
         with pytest.raises(UserError, match=message):
             load_config(None, list(settings))
-    assert load_config(None, ["parallel.shard=full", "parallel.pp=2", "parallel.microbatches=4"]).strategy == \
-        "fully_sharded"
+    pipelined = load_config(None, ["parallel.shard=full", "parallel.pp=2", "parallel.microbatches=4"])
+    assert pipelined.strategy == "fully_sharded"
     assert load_config(None, ["comm.shard_optimizer=true"]).parallel.shard == "optimizer"
     assert load_config(None, ["parallel.shard=optimizer"]).comm.shard_optimizer
 

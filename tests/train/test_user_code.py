@@ -233,12 +233,12 @@ def test_user_model_and_data_train_like_one_process(name, expected, tmp_path):
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("name", ["dp2_shard_optimizer", "tp2", "dp2_full"])
+@pytest.mark.parametrize("name", ["dp2_shard_optimizer", "tp2", "dp2_full", "dp2_pp2_full"])
 def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, tmp_path):
     """LAMB scales each tensor's update by a ratio of that whole tensor's norms: under the sharded
     optimizer a rank steps blocks of flat buffers that cut tensors apart, under tp a rank holds a
-    slice of each split tensor, fully sharded a row block of each; either way the norms are summed over
-    the ranks (optim/trust.py)."""
+    slice of each split tensor, fully sharded a row block of each (with pipeline stages, of its stage's
+    tensors); either way the norms are summed over the ranks (optim/trust.py)."""
     losses, _, params = reference("lamb")
     world, overrides = STRATEGIES[name]
     plan = TP_PLAN if "parallel.tp=2" in overrides else None

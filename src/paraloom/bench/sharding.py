@@ -39,7 +39,10 @@ def _config(options: dict[str, Any], level: str, prefetch: int = 1):
         f"parallel.shard_prefetch={prefetch}",
         f"parallel.reshard_after_forward={str(options.get('reshard_after_forward', True)).lower()}",
         f"optim.accumulate={options.get('accumulate', 1)}",
-        f"parallel.shard_accumulate={options.get('shard_accumulate', 'unsharded')}"])
+        f"parallel.shard_accumulate={options.get('shard_accumulate', 'unsharded')}",
+        # with pipeline stages: each stage sharded over its data-parallel ranks; one micro-batch (torch's
+        # FSDPMemTracker refuses a module run twice in a step)
+        *([f"parallel.pp={options['pp']}", "parallel.microbatches=1"] if options.get("pp", 1) > 1 else [])])
 
 
 def _build(variant: str, options: dict[str, Any], level: str = "full"):
@@ -58,7 +61,8 @@ def _build(variant: str, options: dict[str, Any], level: str = "full"):
         from paraloom.data import load_data
         from paraloom.train.strategies.fully_sharded import FullyShardedStrategy
 
-        cfg = _config(options, level, prefetch=0 if variant == "paraloom_no_prefetch" else 1)
+        pp = 2 if variant == "paraloom_pp2" else 1
+        cfg = _config({**options, "pp": pp}, level, prefetch=0 if variant == "paraloom_no_prefetch" else 1)
         strategy = FullyShardedStrategy(cfg, load_data(cfg), device=torch.device("cpu"), timeline=None)
         count = options["batch"] * world
         calls = iter(range(1, 10**9))
@@ -168,7 +172,9 @@ def held(options: dict[str, Any], save=None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, variant, level in [("ddp", "ddp", "full"), ("fully_shard", "fully_shard", "full"),
                                  *((f"paraloom_{lv}", "paraloom", lv) for lv in options["levels"]),
-                                 ("paraloom_full_no_prefetch", "paraloom_no_prefetch", "full")]:
+                                 ("paraloom_full_no_prefetch", "paraloom_no_prefetch", "full"),
+                                 *([("paraloom_full_pp2", "paraloom_pp2", "full")] if options.get("pipeline")
+                                   else [])]:
         step, model, optimizer = _build(variant, options, level)
         step(*batches[0])
         watch = _StateWatch(model, optimizer)
@@ -183,6 +189,7 @@ def held(options: dict[str, Any], save=None) -> dict[str, Any]:
         counts["peak_state"] = watch.peak
         counts["peak_state_by_kind"] = watch.peak_by_kind
         counts["peak_state_by_phase"] = watch.phases
+        counts["n_params"] = sum(p.numel() for p in model.parameters())  # whole tensors: a stage's with pp
         out[name] = counts
         if save is not None:
             save(out)

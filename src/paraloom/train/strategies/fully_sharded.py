@@ -156,10 +156,10 @@ class FullyShardedStrategy(Strategy):
             raise UserError("tensor and pipeline parallelism compute the loss from the model's logits; a "
                             "data set whose model returns its own loss (loss='model') trains sharded with "
                             "parallel.tp=1 and parallel.pp=1")
-        if cfg.optim.name.lower() in ("lars", "lamb"):
+        if cfg.optim.name.lower() in ("lars", "lamb") and self.tp > 1:  # (a stage's tensors are whole)
             raise UserError(f"optim.name={cfg.optim.name} with parallel.shard={cfg.parallel.shard} and "
-                            f"{layout}: its per-tensor trust ratio is not summed over slices, stages and "
-                            "shards together yet; use tp=1 and pp=1, or parallel.shard=optimizer")
+                            f"parallel.tp={self.tp}: its per-tensor trust ratio is not summed over tp slices "
+                            "and shards together yet; use tp=1, or parallel.shard=optimizer")
         if cfg.optim.ema is not None:
             raise UserError(f"optim.ema with parallel.shard={cfg.parallel.shard} and {layout}: the average's "
                             "slices and stages are not yet kept apart in checkpoints; use tp=1 and pp=1 for "
@@ -443,6 +443,7 @@ class FullyShardedStrategy(Strategy):
                          "mesh": list(self.mesh.shape),
                          "held_mb_per_rank": [{k: v / 2**20 for k, v in held.items()} for held in gathered]}}
         if self.stage is not None:
+            partition = [list(b) for b in self.bounds]
             out["shard"].update(pipeline={"pp": self.pp, "schedule": self.schedule, "microbatches": self.m,
-                                          "virtual_stages": self.v, "partition": [list(b) for b in self.bounds]})
+                                          "virtual_stages": self.v, "partition": partition})
         return out
