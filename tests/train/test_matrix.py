@@ -56,6 +56,7 @@ CASES = {  # name: (workers, settings, exact)
     "layers": (2, [*GPT, "parallel.mode=layers"], True),
     "dp2xtp2": (4, [*GPT, "parallel.tp=2"], True),
     "dp2xpp2": (4, [*GPT, *PP], True),
+    "dp2xpp2_fully_sharded": (4, [*GPT, *PP, "parallel.shard=full"], True),  # each stage sharded
 }
 TAG = f"paraloom-matrix-{os.getpid()}"
 

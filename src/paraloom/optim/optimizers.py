@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from paraloom.config.errors import UserError
 from paraloom.optim.lamb import LAMB
@@ -80,7 +81,7 @@ def make_optimizer(name: str, params: Iterable, *, lr: float, momentum: float = 
     kwargs.update(options or {})
     params = [dict(p, params=list(p["params"])) if isinstance(p, dict) and not torch.is_tensor(p["params"])
               else p for p in params]  # generators are read once: keep what _fusable reads
-    if accepted is not None and "fused" in accepted and "fused" not in kwargs and _fusable(params):
+    if accepted is not None and "fused" in accepted and "fused" not in kwargs and _fusable(params, cls):
         try:
             return cls(params, **kwargs, fused=True)
         except (RuntimeError, ValueError, TypeError):
@@ -92,10 +93,18 @@ def make_optimizer(name: str, params: Iterable, *, lr: float, momentum: float = 
         raise UserError(f"optim.name={cls.__name__!r} refused its settings: {message}") from exc
 
 
-def _fusable(params: list) -> bool:
-    """Fused optimizer kernels take floating-point tensors on CPU or CUDA, all on one device type."""
+# the fused kernels DTensor has a sharding rule for (torch 2.13: Adam's and AdamW's; SGD's `_fused_sgd_`
+# has none, and a fully sharded run's first step stopped with NotImplementedError)
+DTENSOR_FUSED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _fusable(params: list, cls: type) -> bool:
+    """Fused optimizer kernels take floating-point tensors on CPU or CUDA, all on one device type;
+    DTensors (fully sharded parameters) only those of `DTENSOR_FUSED`."""
     groups = [p["params"] if isinstance(p, dict) else [p] for p in params]
     flat = [t[1] if isinstance(t, tuple) else t  # named parameters: (name, tensor)
             for group in groups for t in ([group] if torch.is_tensor(group) else group)]
+    if any(isinstance(t, DTensor) for t in flat) and not issubclass(cls, DTENSOR_FUSED):
+        return False
     return bool(flat) and all(t.is_floating_point() for t in flat) and \
         len({t.device.type for t in flat}) == 1 and flat[0].device.type in ("cpu", "cuda")
