@@ -1,6 +1,7 @@
 """What a blocking collective costs between compute segments on this host, beyond its own time.
 
-    python benchmarks/collective_arrival.py [--ranks 2 4] [--segments-ms 1 4 16] [--rounds 5] --json OUT
+    python benchmarks/collective_arrival.py [--quick] [--ranks 2 4] [--segments-ms 1 4 16] [--rounds 5]
+                                            --json OUT
 
 n gloo ranks (one thread each, loopback) run `iterations` rounds of a compute segment (single-thread
 256 x 256 matmuls, as many as take `segment` ms on one idle core, counted once before the ranks
@@ -93,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--segments-ms", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 1 ms segments, 1 round: a smoke run")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.segments_ms, args.rounds = [2], [1.0], 1
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     plans = [(ms, _matmuls_for(ms)) for ms in args.segments_ms]
     report = {"options": {"ranks": args.ranks, "segments_ms": args.segments_ms, "rounds": args.rounds,

@@ -104,6 +104,9 @@ STEP_CONFIGS = {
                                     "parallel.shard_accumulate=sharded"]),
     # 2-D, added for run 2: tp pairs, two data-parallel copies of them
     "none dp2 tp2": (4, ["parallel.tp=2"]), "full dp2 tp2": (4, ["parallel.shard=full", "parallel.tp=2"]),
+    # 3-D, added after run 2: two pipeline stages, each sharded over 2 data-parallel ranks
+    "none dp2 pp2": (4, ["parallel.pp=2", "parallel.microbatches=4"]),
+    "full dp2 pp2": (4, ["parallel.shard=full", "parallel.pp=2", "parallel.microbatches=4"]),
 }
 STEP_RATES = ("100mbit", "1gbit", "10gbit")  # 10 Gbit/s added for run 2
 STEP_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}  # a 100 Mbit/s full dp4 step: ~1 s
@@ -136,7 +139,8 @@ def _sharded_host_rate(out, rate: str, plain_run, console) -> tuple[float, dict[
     return max(0.0, full - plain) / passed, {"full_s": full, "plain_s": plain, "bytes": passed}
 
 
-def step_model(quick: bool, console, save) -> dict[str, Any]:
+def step_model(quick: bool, console, save, rates: list[str] | None = None,
+               names: list[str] | None = None) -> dict[str, Any]:
     """Calibrate per link rate (perfmodel_validation's links, refinement and the machinery's host rate),
     predict every configuration and write the predictions down, then measure them in interleaved passes."""
     import tempfile
@@ -155,8 +159,8 @@ def step_model(quick: bool, console, save) -> dict[str, Any]:
     from paraloom.perfmodel.runs.finished import measured_step_seconds
     from paraloom.perfmodel.runs.refine import refine
 
-    rates = STEP_RATES[1:] if quick else STEP_RATES
-    names = ["none dp2", "full dp2"] if quick else list(STEP_CONFIGS)
+    rates = rates or (STEP_RATES[1:] if quick else STEP_RATES)
+    names = names or (["none dp2", "full dp2"] if quick else list(STEP_CONFIGS))
     report: dict[str, Any] = {"hardware": {}, "configs": []}
     with tempfile.TemporaryDirectory(prefix="paraloom-shard-model-") as tmp:
         out = Path(tmp)
@@ -182,7 +186,8 @@ def step_model(quick: bool, console, save) -> dict[str, Any]:
                 what = predictable(cfg, workers)
                 e = estimate(profile_model(what.spec, recompute=what.recompute), hw, what.plan,
                              what.global_batch, what.options)
-                group = f"dp2 tp2 {rate}" if "tp2" in name else f"dp{workers} {rate}"
+                group = next((f"dp2 {axis} {rate}" for axis in ("tp2", "pp2") if axis in name),
+                             f"dp{workers} {rate}")
                 rows.append({"name": f"{name} {rate}", "group": group, "workers": workers,
                              "rate": rate, "settings": settings, "plan": what.plan.label(),
                              "sharded": cfg.parallel.shard != "none", "seen": f"{name} {rate}" in SEEN,
@@ -305,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-only", action="store_true",
                         help="only the model's step time on sharded plans (emulated clusters, root), added "
                              "to the report at --json if there is one")
+    parser.add_argument("--rates", nargs="+", choices=STEP_RATES, help="the model's link rates (default all)")
+    parser.add_argument("--configs", nargs="+", choices=list(STEP_CONFIGS),
+                        help="the model's configurations (default all)")
     parser.add_argument("--memory-only", action="store_true",
                         help="only the memory part, its entries replaced in the report at --json if there "
                              "is one")
@@ -342,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             _speed(report, speed_options, clusters, args.json, console)
     if emulate and (args.model_only or not args.quick) and not args.memory_only:
         report["step_model"] = step_model(args.quick, console,
-                                          lambda part: write_json(args.json, {**report, "step_model": part}))
+                                          lambda part: write_json(args.json, {**report, "step_model": part}),
+                                          rates=args.rates, names=args.configs)
         _show_steps(report["step_model"], console)
     if report.get("held"):
         report["summary"] = summarize(report["held"], report["speed"], report.get("memory_model"),
