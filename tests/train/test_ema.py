@@ -117,3 +117,22 @@ def test_each_epoch_scores_the_average_beside_the_weights(grid, tmp_path):
     assert weights[-1][1] == pytest.approx(summary["test_accuracy"])
     assert averaged[-1][1] == pytest.approx(summary["ema_test_accuracy"])
     assert averaged != weights  # the average is what was scored, not the weights again
+
+
+@pytest.mark.parametrize("grid", [["parallel.pp=2", "parallel.microbatches=2"], ["parallel.tp=2"]],
+                         ids=["full_dp2_pp2", "full_dp2_tp2"])
+def test_a_fully_sharded_stage_or_slice_keeps_its_own_average_through_a_resume(grid, tmp_path):
+    """Each stage's (or tp slice's) average is a DTensor of its own, sharded over its data-parallel
+    ranks: the checkpoint keeps them apart (under one name, they would overwrite one another)."""
+    settings = [*grid, "parallel.shard=full"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    run_workers(_run, 4, settings, straight, timeout=120)
+    resumed = _from(straight, 3, tmp_path / "resumed")
+    run_workers(_run, 4, settings, resumed, timeout=120)
+    for name in ("model.pt", "model_ema.pt"):
+        want, got = (torch.load(d / name, weights_only=True) for d in (straight, resumed))
+        assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    ema, weights = (torch.load(straight / n, weights_only=True) for n in ("model_ema.pt", "model.pt"))
+    assert all(not torch.equal(ema[k], weights[k]) for k in weights if weights[k].is_floating_point()
+               and weights[k].numel() > 1)

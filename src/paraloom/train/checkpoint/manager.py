@@ -162,6 +162,10 @@ class CheckpointManager:
         rank's serves another size; a stage's or a slice's serves only its own place in the grid."""
         if self.ema is None:
             return
+        own = self.strategy.checkpoint_namespace()
+        if own is not None and state is not None:
+            regridded = regridded or own not in state  # another tp or pp than it was saved with
+            state = state.get(own, state)
         if state is None or regridded:
             why = "holds no weight average (it was saved without optim.ema)" if state is None else \
                 "cut the model another way (the weight average resumes only on the grid it was saved with)"
@@ -206,7 +210,8 @@ class CheckpointManager:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         local = {"step": step, "counters": dict(counters), "rng": rng, **state}
         if self.ema is not None:
-            local["ema"] = self.ema.state_dict()
+            own = self.strategy.checkpoint_namespace()  # a tp slice's or a stage's average kept apart
+            local["ema"] = {own: self.ema.state_dict()} if own is not None else self.ema.state_dict()
         self.drain()  # one checkpoint in flight at most (its wait is part of this save's time)
         self.pending = save_checkpoint(
             self.run_dir, step, local=local, shared=shared if self.is_main else None,

@@ -111,6 +111,12 @@ class Strategy(ABC):
         """How the ranks are laid out (a checkpoint's manifest keeps it): another layout is a resize."""
         return None
 
+    def checkpoint_namespace(self) -> str | None:
+        """Where ranks hold different tensors under one name as DTensors (a fully sharded tp slice or
+        pipeline stage), the key this rank's part of the checkpoint is kept under, so that they stay
+        apart (the strategy's state and the weight average); None: every name is one tensor."""
+        return None
+
     def make_sharded(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         """The DTensor, of this run's layout, that a checkpoint's sharded entry `name` loads into."""
         raise RuntimeError(f"{type(self).__name__} keeps no sharded state, yet the checkpoint holds {name}")

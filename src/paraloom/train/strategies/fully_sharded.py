@@ -151,7 +151,7 @@ class FullyShardedStrategy(Strategy):
 
     def _refuse_sliced(self) -> None:
         """What does not run yet where a rank holds a slice of the model (tp) or a stage of it (pp)."""
-        cfg, layout = self.cfg, f"parallel.tp={self.tp}" if self.pp == 1 else f"parallel.pp={self.pp}"
+        cfg = self.cfg
         if self.data.loss == "model":
             raise UserError("tensor and pipeline parallelism compute the loss from the model's logits; a "
                             "data set whose model returns its own loss (loss='model') trains sharded with "
@@ -160,10 +160,6 @@ class FullyShardedStrategy(Strategy):
             raise UserError(f"optim.name={cfg.optim.name} with parallel.shard={cfg.parallel.shard} and "
                             f"parallel.tp={self.tp}: its per-tensor trust ratio is not summed over tp slices "
                             "and shards together yet; use tp=1, or parallel.shard=optimizer")
-        if cfg.optim.ema is not None:
-            raise UserError(f"optim.ema with parallel.shard={cfg.parallel.shard} and {layout}: the average's "
-                            "slices and stages are not yet kept apart in checkpoints; use tp=1 and pp=1 for "
-                            "an EMA")
 
     def _split(self, model: torch.nn.Module) -> None:
         """Cut every layer its tensor-parallel plan names into this rank's slice (the config's
@@ -368,7 +364,7 @@ class FullyShardedStrategy(Strategy):
                                  names=self.names)
         return state if dist.get_rank() == 0 else None
 
-    def _namespace(self) -> str | None:
+    def checkpoint_namespace(self) -> str | None:
         """This rank's part of a checkpoint where ranks hold different tensors of one name (a tp slice,
         a pipeline stage's pieces): those are kept apart, each sharded over its data-parallel ranks."""
         if self.pp > 1:
@@ -378,11 +374,11 @@ class FullyShardedStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = get_state_dict(self.model, self.optimizer)
         state = {"model": model, "optimizer": optimizer, "recipe": self.recipe.state_dict()}
-        own = self._namespace()
+        own = self.checkpoint_namespace()
         return {own: state} if own is not None else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        own = self._namespace()
+        own = self.checkpoint_namespace()
         if own is not None or any(key.startswith(("tp", "pp")) and "of" in key for key in state):
             if own not in state:
                 raise UserError(f"this checkpoint was saved at another tensor- or pipeline-parallel size "
