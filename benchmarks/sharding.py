@@ -107,6 +107,11 @@ STEP_CONFIGS = {
     # 3-D, added after run 2: two pipeline stages, each sharded over 2 data-parallel ranks
     "none dp2 pp2": (4, ["parallel.pp=2", "parallel.microbatches=4"]),
     "full dp2 pp2": (4, ["parallel.shard=full", "parallel.pp=2", "parallel.microbatches=4"]),
+    # added with the arrival term (run 3), measured only after it: held out
+    "full dp2 m2": (2, ["parallel.shard=full", "optim.accumulate=2"]),
+    "gradients dp2 tp2": (4, ["parallel.shard=gradients", "parallel.tp=2"]),
+    "hybrid2 dp4 m2": (4, ["parallel.shard=hybrid", "parallel.shard_group=2", "optim.accumulate=2"]),
+    "full dp4 kept": (4, ["parallel.shard=full", "parallel.reshard_after_forward=false"]),
 }
 STEP_RATES = ("100mbit", "1gbit", "10gbit")  # 10 Gbit/s added for run 2
 STEP_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}  # a 100 Mbit/s full dp4 step: ~1 s
@@ -116,7 +121,13 @@ STEP_PASSES = {"100mbit": 1, "1gbit": 2, "10gbit": 2}
 # summary gives the errors with and without them
 RUN_1 = ("none dp2", "gradients dp2", "full dp2", "none dp4", "gradients dp4", "full dp4", "hybrid2 dp4",
          "full dp4 m2 sum-sharded")
-SEEN = tuple(f"{name} {rate}" for name in RUN_1 for rate in ("100mbit", "1gbit"))
+# measured before the arrival term (cost/cpu.py `arrival_seconds`) was added: run 2's configurations at every
+# rate, and the sharded pipeline's first at 1 Gbit/s
+RUN_2 = (*RUN_1, "none dp2 tp2", "full dp2 tp2")
+SEEN = (*(f"{name} {rate}" for name in RUN_1 for rate in ("100mbit", "1gbit")),
+        *(f"{name} {rate}" for name in RUN_2 for rate in STEP_RATES),
+        "none dp2 pp2 1gbit", "full dp2 pp2 1gbit")
+ARRIVAL_RANKS, ARRIVAL_SEGMENTS_MS = (2, 4), (1.0, 4.0, 16.0)  # collective_arrival.py's, before the rates
 
 
 def _sharded_host_rate(out, rate: str, plain_run, console) -> tuple[float, dict[str, float]]:
@@ -146,6 +157,7 @@ def step_model(quick: bool, console, save, rates: list[str] | None = None,
     import tempfile
     from pathlib import Path
 
+    import collective_arrival
     import perfmodel_validation as pv
 
     from paraloom.cli.options import link_timers
@@ -161,7 +173,13 @@ def step_model(quick: bool, console, save, rates: list[str] | None = None,
 
     rates = rates or (STEP_RATES[1:] if quick else STEP_RATES)
     names = names or (["none dp2", "full dp2"] if quick else list(STEP_CONFIGS))
+    from paraloom.perfmodel.cost.cpu import arrival_key
+
     report: dict[str, Any] = {"hardware": {}, "configs": []}
+    console.print("measuring: a blocking collective's cost between compute segments (collective_arrival.py)")
+    plans = [(ms, collective_arrival._matmuls_for(ms)) for ms in ARRIVAL_SEGMENTS_MS]
+    arrival = {n: collective_arrival.measure(n, plans, 1 if quick else 5) for n in ARRIVAL_RANKS}
+    report["arrival"] = arrival
     with tempfile.TemporaryDirectory(prefix="paraloom-shard-model-") as tmp:
         out = Path(tmp)
         for rate in rates:
@@ -175,6 +193,9 @@ def step_model(quick: bool, console, save, rates: list[str] | None = None,
             hw, points = refine(hw, runs)
             host_rate, host_runs = _sharded_host_rate(out, rate, runs[-1], console)
             hw.constants[HOST_RATE] = host_rate
+            for n, rows in arrival.items():
+                for row in rows:
+                    hw.constants[arrival_key(n, row["segment_ms"])] = max(0.0, row["penalty_ms"]) / 1e3
             hardware = out / f"hardware-{rate}.yaml"
             hardware.write_text(hw.to_yaml())
             report["hardware"][rate] = {"profile": hw.to_dict(), "refined_from": points,

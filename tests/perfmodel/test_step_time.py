@@ -6,6 +6,7 @@ import math
 import pytest
 
 from paraloom.config.errors import UserError
+from paraloom.perfmodel.cost.cpu import arrival_key, arrival_seconds
 from paraloom.perfmodel.cost.memory import activation_share, in_flight
 from paraloom.perfmodel.cost.network import allreduce_time
 from paraloom.perfmodel.cost.step_time import estimate, split_stages
@@ -502,3 +503,29 @@ def test_a_node_that_sums_its_workers_gradients_pushes_once(tmp_path, capsys):
     assert main(argv) == 0
     assert main([*argv, "--emit", str(tmp_path / "x.yaml")]) == 2
     assert "each push their own gradients" in capsys.readouterr().err
+
+
+def test_a_blocking_collective_pays_the_ranks_arriving_apart_as_measured_on_the_host():
+    """collective_arrival constants (seconds per collective, by ranks and segment in ms, as one idle
+    core runs it): read at the nearest rank count, interpolated in log segment, 0 where absent; under
+    gloo every fully sharded unit's gather and reduce-scatter, and every tp all-reduce, pays it."""
+    table = {arrival_key(2, 1.0): 0.001, arrival_key(2, 4.0): 0.002, arrival_key(4, 4.0): 0.003}
+    hw = hardware(host_cores=2, **table)
+    assert arrival_seconds(hw, 2, 0.002) == pytest.approx(0.0015)  # halfway between 1 and 4 ms in log
+    assert arrival_seconds(hw, 2, 0.0005) == pytest.approx(0.0005)  # to 0 below the shortest
+    assert arrival_seconds(hw, 2, 0.1) == pytest.approx(0.002)  # flat above the longest
+    assert arrival_seconds(hw, 3, 0.1) == pytest.approx(0.003)  # the nearest count, the larger on a tie
+    assert arrival_seconds(hw, 4, 0.008) == pytest.approx(0.003)  # 4 ranks on 2 cores: 4 ms a core
+    assert arrival_seconds(hardware(host_cores=2), 2, 0.004) == 0.0
+    plain, measured = hardware(inter_bw=1e9, host_cores=2), hardware(inter_bw=1e9, host_cores=2, **table)
+    # full dp2: 3 units (the toy's 4 layers but one: the root's) x (gather, gather again, reduce-scatter),
+    # segments of 0.24 s / 9, past the longest measured: 2 ms each
+    plan = Plan(dp=2, shard="full")
+    extra = estimate(model(), measured, plan, 40).step_s - estimate(model(), plain, plan, 40).step_s
+    assert extra == pytest.approx(9 * 0.002)
+    # tp2: 1 + 4 + 4 + 1 all-reduces a micro-batch (the toy's ends and middle layers), 2 ms each
+    plan = Plan(tp=2)
+    extra = estimate(model(), measured, plan, 40).step_s - estimate(model(), plain, plan, 40).step_s
+    assert extra == pytest.approx(10 * 0.002)
+    engine = Plan(dp=2)  # the engine's all-reduces run on a thread of their own: none blocks
+    assert estimate(model(), measured, engine, 40).step_s == estimate(model(), plain, engine, 40).step_s

@@ -105,3 +105,40 @@ def server_cpu_per_message(summary: dict[str, Any], hw: Hardware) -> dict[str, f
         fitted["server_s_per_update"] = updating / sum(s["updates"] for s in stats)
         cpu -= updating
     return {**fitted, "server_s_per_message": (cpu - moved * per_byte) / messages}
+
+
+# constants "collective_arrival.n{ranks}.ms{segment}": the seconds a blocking collective waits beyond its own
+ARRIVAL = "collective_arrival"
+
+
+def arrival_key(ranks: int, segment_ms: float) -> str:
+    return f"{ARRIVAL}.n{ranks}.ms{segment_ms:g}"
+
+
+def arrival_seconds(hw: Hardware, ranks: int, segment_s: float) -> float:
+    """What one blocking collective costs beyond its own time on a host whose `ranks` workers compute
+    segments of `segment_s` (as they run together) between such collectives: the ranks arriving apart
+    (a rank whose segment ran longer holds the others). Measured on the host for a few rank counts
+    and segment lengths (benchmarks/collective_arrival.py: constants `arrival_key(n, ms)`, the
+    segment as one idle core runs it), read at the nearest measured rank count, interpolated in
+    the logarithm of the segment (linearly to 0 below the shortest, flat above the longest); 0
+    where not measured (presets, real clusters)."""
+    measured: dict[int, list[tuple[float, float]]] = {}
+    for key, value in hw.constants.items():
+        if key.startswith(f"{ARRIVAL}.n"):
+            n, ms = key.removeprefix(f"{ARRIVAL}.n").split(".ms")
+            measured.setdefault(int(n), []).append((float(ms) / 1e3, value))
+    if not measured or segment_s <= 0:
+        return 0.0
+    n = min(measured, key=lambda m: (abs(m - ranks), -m))
+    points = sorted(measured[n])
+    cores = hw.constants.get("host_cores") or n
+    segment = segment_s / max(1.0, n / cores)  # as one idle core would run it
+    if segment <= points[0][0]:
+        return points[0][1] * segment / points[0][0]
+    if segment >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= segment <= x1:
+            return y0 + (math.log(segment) - math.log(x0)) / (math.log(x1) - math.log(x0)) * (y1 - y0)
+    return points[-1][1]

@@ -35,6 +35,8 @@ ranks, all step; the peak is forward's or backward's, whichever holds more:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from paraloom.perfmodel.cost.network import allgather_time, allreduce_time, reduce_scatter_time
 from paraloom.perfmodel.model_profile import OPTIMIZER_STATES, ModelProfile
 
@@ -85,7 +87,7 @@ HOST_RATE = "shard_host.s_per_byte"  # a Hardware constant: the host's seconds p
 
 def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_link, group: int,
                  microbatches: int, *, reshard: bool = True, host_rate: float = 0.0,
-                 gloo: bool = False) -> tuple[float, float]:
+                 gloo: bool = False, arrival: Callable[[float], float] | None = None) -> tuple[float, float]:
     """(exposed seconds, seconds on the links) of one step's gathers and reductions: `fwd` and `bwd`
     the step's forward and backward compute, `link` the sharding group's, `inter_link` the link
     hybrid's replicas all-reduce over, `reshard`: `parallel.reshard_after_forward`. `host_rate`: the
@@ -104,7 +106,14 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     0.50-0.63x (2026-12-07, benchmarks/LOG.md). Both were found after a measured run missed:
     the first from benchmarks/sharding.py's quick run (`full` dp2 at 1 Gbit/s, 35% slower than
     predicted with overlap), the second from its run 1 (every sharded configuration 16-36% slower
-    than predicted); the configurations measured before are marked `seen` in its report."""
+    than predicted); the configurations measured before are marked `seen` in its report.
+
+    `arrival(segment_s)`: what one blocking collective costs beyond its own time when the ranks compute
+    `segment_s` between collectives (cost/cpu.py `arrival_seconds`, measured on the host); under gloo
+    every unit's gather, reduce-scatter and hybrid all-reduce blocks, one unit being each layer but
+    the ends (the root holds the embedding and head). Added after benchmarks/sharding.py's run 2
+    (its 21 configurations 3-40% slower than predicted, all one way) and a micro-benchmark of the
+    mechanism (benchmarks/collective_arrival.py); configurations measured after it are held out."""
     if group == 1 and plan.dp == 1 and not host_rate:
         return 0.0, 0.0
     params, compute = part.n_params / plan.tp, part.dtype_bytes  # a tp rank's slices
@@ -126,4 +135,8 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
         exposed = forward_comm + backward_comm
     handled = params * compute * gathers * (1 + regather) + params * 4.0 * reductions
     exposed += handled * host_rate
+    if gloo and arrival is not None and group > 1:
+        units = max(1, len(part.layers) - 1)
+        blocking = units * (gathers * (1 + regather) + reductions * (1 + (replicas > 1)))
+        exposed += blocking * arrival((fwd + bwd) / blocking)
     return exposed, forward_comm + backward_comm

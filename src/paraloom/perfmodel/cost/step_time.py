@@ -15,7 +15,14 @@ from paraloom.config.choices import FULLY_SHARDED
 from paraloom.config.errors import UserError
 from paraloom.perfmodel.cost import overlap
 from paraloom.perfmodel.cost.compression import codec_time, compressed_bytes, compressed_sync_time
-from paraloom.perfmodel.cost.cpu import WIRE_DTYPE, comm_cpu, ps_slices, server_cpu, unhidden_cpu
+from paraloom.perfmodel.cost.cpu import (
+    WIRE_DTYPE,
+    arrival_seconds,
+    comm_cpu,
+    ps_slices,
+    server_cpu,
+    unhidden_cpu,
+)
 from paraloom.perfmodel.cost.device import layer_seconds, update_seconds
 from paraloom.perfmodel.cost.links import dp_group, dp_link, stream
 from paraloom.perfmodel.cost.memory import stage_peaks
@@ -78,6 +85,11 @@ def host_slowdown(hw: Hardware, plan: Plan) -> float:
     return max(1.0, plan.dp * plan.tp * plan.pp / cores) if cores else 1.0
 
 
+def _tp_collectives(profile: ModelProfile) -> int:
+    """A micro-batch's tensor-parallel all-reduces, forward and backward (as `_tp_comm` counts them)."""
+    return sum(4 if 0 < index < len(profile.layers) - 1 else 1 for index in range(len(profile.layers)))
+
+
 def _tp_comm(profile: ModelProfile, hw: Hardware, plan: Plan, samples: float) -> float:
     """Megatron: per transformer block 2 all-reduces of the block's output forward and 2 backward
     (Shoeybi et al. 2019, section 3); the vocabulary-parallel embedding adds one forward and the
@@ -122,6 +134,10 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
     for start, stop in stages:
         part = profile.slice(start, stop)
         tp_comm = _tp_comm(part, hw, plan, micro)
+        if plan.tp > 1 and "host_cores" in hw.constants:  # gloo's all-reduces block the computing thread
+            blocking = _tp_collectives(part)
+            tp_comm += blocking * arrival_seconds(hw, plan.devices,
+                                                  sum(fwd[start:stop] + bwd[start:stop]) / blocking)
         # a micro-batch leaves a stage once per chunk it holds (interleaved: v, the last stage v - 1)
         sends = v - (stop == len(profile.layers))
         send = p2p_time(part.output_bytes * micro / plan.tp, pp_link) * sends
@@ -155,7 +171,8 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
                                             sum(bwd[start:stop]) * m, link, hw.inter,
                                             shards, m, reshard=opts.reshard_after_forward,
                                             host_rate=hw.constants.get(HOST_RATE, 0.0) * slow,
-                                            gloo="host_cores" in hw.constants)
+                                            gloo="host_cores" in hw.constants,
+                                            arrival=lambda s: arrival_seconds(hw, plan.devices, s))
     else:
         dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0
