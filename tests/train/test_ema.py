@@ -123,7 +123,8 @@ def test_each_epoch_scores_the_average_beside_the_weights(grid, tmp_path):
                          ids=["full_dp2_pp2", "full_dp2_tp2"])
 def test_a_fully_sharded_stage_or_slice_keeps_its_own_average_through_a_resume(grid, tmp_path):
     """Each stage's (or tp slice's) average is a DTensor of its own, sharded over its data-parallel
-    ranks: the checkpoint keeps them apart (under one name, they would overwrite one another)."""
+    ranks: the checkpoint keeps them apart. Without that the pp case fails (the stages' averages
+    overwrote one another); the tp case passed either way: it checks that a sliced average resumes."""
     settings = [*grid, "parallel.shard=full"]
     straight = tmp_path / "straight"
     straight.mkdir()
