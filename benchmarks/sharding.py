@@ -3,13 +3,13 @@
     python benchmarks/sharding.py [--quick] [--repeats 5] [--no-emulate] [--speed-only] [--explain]
                                   [--model-only] --json OUT
 
-Memory: 4 workers on loopback train the zoo's GPT at width 1024, 8 layers (101M parameters), AdamW;
-per rank, the bytes of parameters, gradients and optimizer state held after a step, for DDP, a
-bare `fully_shard` loop and paraloom at `gradients` and `full`, and the most of those plus their
-gather and reduction buffers alive at once during a step (read after every operator), set beside
-the performance model's (`memory_model`). Speed: 4 workers, the GPT at width 256, 4 layers, batch
-8 x 64 tokens per worker, on loopback and on an emulated 4 x 1 Gbit/s cluster (needs root): DDP, bare
-`fully_shard` and paraloom `full` take turns (paraloom.bench.sharding); a ratio is the median over
+Memory: 4 workers on loopback train the zoo's GPT at width 1024, 8 layers (101M parameters), AdamW; per
+rank, the bytes of parameters, gradients and optimizer state held after a step, for DDP, a bare
+`fully_shard` loop and paraloom at `gradients` and `full` (blocks, and FINE_UNITS), and the most of
+those plus their gather and reduction buffers alive at once during a step (read after every operator),
+set beside the performance model's (`memory_model`). Speed: 4 workers, the GPT at width 256, 4 layers,
+batch 8 x 64 tokens per worker, on loopback and on an emulated 4 x 1 Gbit/s cluster (needs root): DDP,
+bare `fully_shard` and paraloom `full` take turns (paraloom.bench.sharding); a ratio is the median over
 rounds of paraloom's step over the peer's.
 
 The model on sharded plans (`step_model`; emulated clusters, needs root; skipped by `--quick`
@@ -24,7 +24,8 @@ the model's last change are marked `seen`.
 
 Summary (`summary` in the JSON): `mem_ratio_full_vs_ddp`, `mem_ratio_gradients_vs_ddp` and
 `mem_ratio_vs_fully_shard` (the peaks, by torch's memory tracker), `mem_ratio_full_at_rest_vs_ddp`
-(after a step), `model_memory_max_abs_err`,
+(after a step), `mem_ratio_full_units_vs_ddp` (`full` at `parallel.shard_units=FINE_UNITS`),
+`model_memory_max_abs_err`,
 `step_ratio_vs_fully_shard_loopback`, `step_ratio_vs_fully_shard_1gbit`, `step_ratio_vs_ddp_loopback`,
 `step_ratio_vs_ddp_1gbit`; `model_median_abs_err`, `model_max_abs_err` and `n_model_configs` over the
 sharded configurations of `step_model` (null and 0 without it), `model_best_plan_hits`.
@@ -61,6 +62,10 @@ TINY = {"vocab": 256, "seq": 16, "layers": 2, "width": 32, "heads": 2}
 HELD_PLANS = {"ddp": ("none", 1), "fully_shard": ("full", 0), "paraloom_gradients": ("gradients", 1),
               "paraloom_full": ("full", 1), "paraloom_full_no_prefetch": ("full", 0),
               "paraloom_full_pp2": ("full", 1)}  # dp2 x pp2, one micro-batch: stage 0, kept gathered
+# the held runs' parallel.shard_units for "paraloom_full_units": each block's attention and feed-forward
+# apart, so the largest unit is 2/3 of a block (chosen after the blocks' 0.330 of DDP's peak was measured)
+FINE_UNITS = "Attention,FeedForward"
+HELD_PLANS["paraloom_full_units"] = ("full", 1)
 
 
 def memory_model(held: dict[str, Any], shape: dict[str, int], batch: int) -> dict[str, Any]:
@@ -68,12 +73,13 @@ def memory_model(held: dict[str, Any], shape: dict[str, int], batch: int) -> dic
     (perfmodel/cost/sharding.py; memory.stage_memory's weights, grads and optimizer: the engine's
     bucket is paraloom's, not DDP's, and activations are not measured here) against `held`'s peaks."""
     from paraloom.perfmodel.cost.memory import stage_memory
-    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model, shard_unit_sizes
     from paraloom.perfmodel.plan import Options, Plan
 
     world = 4
-    profile = profile_model(f"gpt:layers={shape['layers']},hidden={shape['width']},heads={shape['heads']},"
-                            f"seq={shape['seq']},vocab={shape['vocab']}")
+    spec = (f"gpt:layers={shape['layers']},hidden={shape['width']},heads={shape['heads']},seq={shape['seq']},"
+            f"vocab={shape['vocab']}")
+    profile = profile_model(spec)
     out = {}
     for name, (level, prefetch) in HELD_PLANS.items():
         if name not in held:
@@ -83,8 +89,9 @@ def memory_model(held: dict[str, Any], shape: dict[str, int], batch: int) -> dic
             stop = next(k for k in range(1, len(profile.layers) + 1)
                         if profile.slice(0, k).n_params >= held[name]["n_params"])
             part, plan, group = profile.slice(0, stop), Plan(dp=2, pp=2, shard=level), 2
-        kinds = stage_memory(part, plan, 0, batch, Options(optimizer="adam", shard_prefetch=prefetch),
-                             shard_size=group)
+        units = shard_unit_sizes(spec, FINE_UNITS if name.endswith("_units") else "auto")
+        kinds = stage_memory(part, plan, 0, batch, Options(optimizer="adam", shard_prefetch=prefetch,
+                                                           shard_units=units), shard_size=group)
         predicted = kinds["weights"] + kinds["grads"] + kinds["optimizer"]
         out[name] = {"predicted": predicted, "measured": held[name]["peak_state"],
                      "rel_err": predicted / held[name]["peak_state"] - 1}
@@ -112,6 +119,13 @@ STEP_CONFIGS = {
     "gradients dp2 tp2": (4, ["parallel.shard=gradients", "parallel.tp=2"]),
     "hybrid2 dp4 m2": (4, ["parallel.shard=hybrid", "parallel.shard_group=2", "optim.accumulate=2"]),
     "full dp4 kept": (4, ["parallel.shard=full", "parallel.reshard_after_forward=false"]),
+    # added with the units the run cuts its model in (Options.shard_units) and the stage roots counted as
+    # units, measured only after them: held out (run 4)
+    "full dp4 fine": (4, ["parallel.shard=full", f"parallel.shard_units={FINE_UNITS}"]),
+    "gradients dp4 m2": (4, ["parallel.shard=gradients", "optim.accumulate=2"]),
+    "hybrid2 dp4 kept": (4, ["parallel.shard=hybrid", "parallel.shard_group=2",
+                             "parallel.reshard_after_forward=false"]),
+    "full dp2 tp2 m2": (4, ["parallel.shard=full", "parallel.tp=2", "optim.accumulate=2"]),
 }
 STEP_RATES = ("100mbit", "1gbit", "10gbit")  # 10 Gbit/s added for run 2
 STEP_STEPS = {"100mbit": 30, "1gbit": 60, "10gbit": 120}  # a 100 Mbit/s full dp4 step: ~1 s
@@ -126,7 +140,10 @@ RUN_1 = ("none dp2", "gradients dp2", "full dp2", "none dp4", "gradients dp4", "
 RUN_2 = (*RUN_1, "none dp2 tp2", "full dp2 tp2")
 SEEN = (*(f"{name} {rate}" for name in RUN_1 for rate in ("100mbit", "1gbit")),
         *(f"{name} {rate}" for name in RUN_2 for rate in STEP_RATES),
-        "none dp2 pp2 1gbit", "full dp2 pp2 1gbit")
+        "none dp2 pp2 1gbit", "full dp2 pp2 1gbit",
+        # run 3's, measured before the units were the run's (Options.shard_units)
+        *(f"{name} {rate}" for name in ("full dp2 m2", "gradients dp2 tp2", "hybrid2 dp4 m2", "full dp4 kept",
+                                        "full dp2 pp2") for rate in ("1gbit", "10gbit")))
 ARRIVAL_RANKS, ARRIVAL_SEGMENTS_MS = (2, 4), (1.0, 4.0, 16.0)  # collective_arrival.py's, before the rates
 
 
@@ -151,7 +168,7 @@ def _sharded_host_rate(out, rate: str, plain_run, console) -> tuple[float, dict[
 
 
 def step_model(quick: bool, console, save, rates: list[str] | None = None,
-               names: list[str] | None = None) -> dict[str, Any]:
+               names: list[str] | None = None, passes: int | None = None) -> dict[str, Any]:
     """Calibrate per link rate (perfmodel_validation's links, refinement and the machinery's host rate),
     predict every configuration and write the predictions down, then measure them in interleaved passes."""
     import tempfile
@@ -216,7 +233,7 @@ def step_model(quick: bool, console, save, rates: list[str] | None = None,
                              "breakdown": e.breakdown, "measured_passes": []})
             report["configs"] += rows
             save(report)
-            for p in range(1 if quick else STEP_PASSES[rate]):
+            for p in range(1 if quick else passes or STEP_PASSES[rate]):
                 for row in rows:
                     predicted = row["predicted_s"] * 1e3
                     console.print(f"{row['name']} (pass {p + 1}): predicted {predicted:.1f} ms")
@@ -260,6 +277,9 @@ def summarize(held: dict[str, Any], speed: dict[str, Any], memory: dict[str, Any
         # parallel.shard_prefetch=0: torch's implicit prefetch only, as the bare loop
         "mem_ratio_no_prefetch_vs_fully_shard": peak("paraloom_full_no_prefetch") / peak("fully_shard"),
     }
+    if "paraloom_full_units" in held:  # parallel.shard_units=FINE_UNITS
+        out["mem_ratio_full_units_vs_ddp"] = peak("paraloom_full_units") / peak("ddp")
+        out["full_units"] = FINE_UNITS
     for name, cluster in (("loopback", "loopback_4"), ("1gbit", "emulated_4x1gbit")):
         if cluster in speed:
             out[f"step_ratio_vs_fully_shard_{name}"] = speed[cluster]["ratio_vs_fully_shard"]
@@ -334,19 +354,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", choices=STEP_RATES, help="the model's link rates (default all)")
     parser.add_argument("--configs", nargs="+", choices=list(STEP_CONFIGS),
                         help="the model's configurations (default all)")
+    parser.add_argument("--passes", type=int, help="the model's interleaved passes per rate (default 1 at "
+                                                    "100 Mbit/s, 2 above)")
     parser.add_argument("--memory-only", action="store_true",
                         help="only the memory part, its entries replaced in the report at --json if there "
                              "is one")
     parser.add_argument("--explain", action="store_true",
-                        help="add the bare loop clipping as paraloom does, and paraloom without prefetch")
+                        help="add the bare loop clipping as paraloom does, paraloom without prefetch and "
+                             "paraloom at FINE_UNITS")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     held_options = {"model": TINY if args.quick else BIG, "batch": 2, "levels": ["gradients", "full"],
-                    "pipeline": True}
+                    "pipeline": True, "units": FINE_UNITS}
     speed_options = {"model": TINY if args.quick else SMALL, "batch": 8, "level": "full", "warmup": 2,
                      "steps": 2 if args.quick else 3,
                      "repeats": min(args.repeats, 2) if args.quick else args.repeats,
-                     "explain": ["fully_shard_local_clip", "paraloom_no_prefetch"] if args.explain else []}
+                     "explain": ["fully_shard_local_clip", "paraloom_no_prefetch", "paraloom_units"]
+                     if args.explain else [], "units": FINE_UNITS}
     report: dict[str, Any] = {"options": {"held": held_options, "speed": speed_options}, "speed": {}}
     console = Console(width=120)
     emulate = not args.no_emulate and os.geteuid() == 0
@@ -372,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if emulate and (args.model_only or not args.quick) and not args.memory_only:
         report["step_model"] = step_model(args.quick, console,
                                           lambda part: write_json(args.json, {**report, "step_model": part}),
-                                          rates=args.rates, names=args.configs)
+                                          rates=args.rates, names=args.configs, passes=args.passes)
         _show_steps(report["step_model"], console)
     if report.get("held"):
         report["summary"] = summarize(report["held"], report["speed"], report.get("memory_model"),

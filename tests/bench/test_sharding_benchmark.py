@@ -14,13 +14,14 @@ def test_sharding_benchmark_quick(tmp_path):
     report = json.loads(out.read_text())
     held = report["held"]
     assert set(held) == {"ddp", "fully_shard", "paraloom_gradients", "paraloom_full",
-                         "paraloom_full_no_prefetch", "paraloom_full_pp2"}
+                         "paraloom_full_no_prefetch", "paraloom_full_pp2", "paraloom_full_units"}
     # dp2 x pp2: rank 0's stage (about half the model) sharded over 2 ranks, also about a quarter at rest
     assert held["paraloom_full_pp2"]["n_params"] < held["ddp"]["n_params"]
     ddp = held["ddp"]
     assert ddp["optimizer"] == 2 * ddp["params"]  # AdamW's two moments
     assert ddp["peak_state"] >= ddp["total"]  # DDP holds its whole state throughout
-    for name in ("fully_shard", "paraloom_full", "paraloom_gradients", "paraloom_full_no_prefetch"):
+    for name in ("fully_shard", "paraloom_full", "paraloom_gradients", "paraloom_full_no_prefetch",
+                 "paraloom_full_units"):
         # a quarter of every tensor at dp4, up to the padding of rows that do not divide by 4
         assert held[name]["total"] == pytest.approx(ddp["total"] / 4, rel=0.05), name
         # units gathered and gradients reduced on top of the shards, never the whole model's state

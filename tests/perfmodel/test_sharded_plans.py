@@ -59,6 +59,41 @@ def test_a_rank_holds_its_shards_and_the_units_in_flight():
     assert full < gradients < plain
 
 
+def test_the_units_a_run_cuts_its_model_in_set_what_it_holds_in_flight():
+    from paraloom.perfmodel.cost.sharding import unit_count
+    from paraloom.perfmodel.from_config import predictable
+    from paraloom.perfmodel.measure.profile import shard_unit_sizes
+
+    profile = profile_model(GPT)
+    blocks = shard_unit_sizes(GPT)
+    halves = shard_unit_sizes(GPT, "Attention,FeedForward")
+    block = max(layer.param_count for layer in profile.layers)
+    # every parameter in one unit or the root (last), whichever way the model is cut
+    assert sum(blocks) == sum(halves) == profile.n_params
+    assert blocks[:-1] == (block,) * 8 and len(halves) == 17
+    assert max(halves) == 256 * 1024 + 1024 + 1024 * 256 + 256  # a feed-forward: two linears, 4x wide
+    # nested units: each takes its own parameters from the block around it
+    assert sum(shard_unit_sizes(GPT, "Block,FeedForward")) == profile.n_params
+
+    def held(units):
+        opts = Options(optimizer="adam", shard_units=units)
+        return _state(stage_memory(profile, Plan(dp=4, shard="full"), 0, 8, opts, shard_size=4))
+
+    # gathered and reduced: the blocks and the root, by either count; a pipeline stage has a root of its own
+    assert unit_count(profile, blocks) == unit_count(profile) == 9
+    stage = profile.slice(0, 5)  # the embedding and four blocks
+    assert unit_count(stage, blocks) == pytest.approx(1 + 8 * stage.n_params / profile.n_params)
+    n = profile.n_params
+    assert held(()) == held(blocks) == pytest.approx(n * 4 + block * 4 * 3)
+    assert held(halves) == pytest.approx(n * 4 + max(halves) * 4 * 3)
+    base = ["model.name=gpt", "data.name=text", "data.seq_len=64", "model.d_model=256", "model.n_heads=4",
+            "model.n_layers=8"]
+    cfg = load_config(None, [*base, "parallel.shard=full", "parallel.shard_units=Attention,FeedForward"])
+    units = predictable(cfg, 4).options.shard_units
+    assert len(units) == 17 and max(units) == max(halves)
+    assert predictable(load_config(None, base), 4).options.shard_units == ()  # not sharded: not built
+
+
 def test_fully_sharded_steps_pay_three_model_sizes_on_the_link_and_hybrid_keeps_them_in_a_node():
     profile = profile_model(GPT)
     hw = load_hardware("h100-ib-ndr")

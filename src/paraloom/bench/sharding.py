@@ -9,7 +9,8 @@ Variants, each built from the same seed on every rank and trained on the same ba
                  the non-finite guard and clipping included).
 "fully_shard_local_clip" (with `--explain`) is the bare loop clipping as paraloom does: squared norms
 of the local shards, one all-reduce, no DTensor dispatch; "paraloom_no_prefetch" is paraloom with
-`parallel.shard_prefetch=0` (torch's implicit prefetch only). `speed` times them in turns, a block of
+`parallel.shard_prefetch=0` (torch's implicit prefetch only); "paraloom_units" is paraloom at
+`parallel.shard_units=options["units"]` (units finer than blocks). `speed` times them in turns, a block of
 `steps` steps each, for `repeats` rounds, the order alternating (ABC, CBA, ...); per round the
 figure is the slowest rank's median step, and the ratio paraloom / fully_shard is taken round by
 round. `held` measures, one variant at a time, the bytes of parameters, gradients and optimizer
@@ -27,7 +28,7 @@ from typing import Any
 VARIANTS = ("ddp", "fully_shard", "paraloom")
 
 
-def _config(options: dict[str, Any], level: str, prefetch: int = 1):
+def _config(options: dict[str, Any], level: str, prefetch: int = 1, units: str = "auto"):
     from paraloom.config import load_config
 
     shape = options["model"]
@@ -37,6 +38,7 @@ def _config(options: dict[str, Any], level: str, prefetch: int = 1):
         f"model.n_layers={shape['layers']}", f"data.batch_size={options['batch']}",
         "optim.name=adamw", "optim.lr=0.0003", "optim.clip_norm=1.0", f"parallel.shard={level}",
         f"parallel.shard_prefetch={prefetch}",
+        f"parallel.shard_units={units}",
         f"parallel.reshard_after_forward={str(options.get('reshard_after_forward', True)).lower()}",
         f"optim.accumulate={options.get('accumulate', 1)}",
         f"parallel.shard_accumulate={options.get('shard_accumulate', 'unsharded')}",
@@ -62,7 +64,9 @@ def _build(variant: str, options: dict[str, Any], level: str = "full"):
         from paraloom.train.strategies.fully_sharded import FullyShardedStrategy
 
         pp = 2 if variant == "paraloom_pp2" else 1
-        cfg = _config({**options, "pp": pp}, level, prefetch=0 if variant == "paraloom_no_prefetch" else 1)
+        units = options["units"] if variant == "paraloom_units" else "auto"
+        cfg = _config({**options, "pp": pp}, level, prefetch=0 if variant == "paraloom_no_prefetch" else 1,
+                      units=units)
         strategy = FullyShardedStrategy(cfg, load_data(cfg), device=torch.device("cpu"), timeline=None)
         count = options["batch"] * world
         calls = iter(range(1, 10**9))
@@ -173,6 +177,8 @@ def held(options: dict[str, Any], save=None) -> dict[str, Any]:
     for name, variant, level in [("ddp", "ddp", "full"), ("fully_shard", "fully_shard", "full"),
                                  *((f"paraloom_{lv}", "paraloom", lv) for lv in options["levels"]),
                                  ("paraloom_full_no_prefetch", "paraloom_no_prefetch", "full"),
+                                 *([("paraloom_full_units", "paraloom_units", "full")] if options.get("units")
+                                   else []),
                                  *([("paraloom_full_pp2", "paraloom_pp2", "full")] if options.get("pipeline")
                                    else [])]:
         step, model, optimizer = _build(variant, options, level)

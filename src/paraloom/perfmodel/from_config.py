@@ -121,6 +121,11 @@ def predictable(cfg: Config, world: int) -> Predictable:
     data = cfg.data
     data_spec = factory_spec(data.name, data.options, "data.options") if is_factory(data.name) else None
     spec = spec_of(cfg)
+    if plan.shard in FULLY_SHARDED:  # the units the run cuts its model in (a meta build: cheap)
+        from paraloom.perfmodel.measure.profile import shard_unit_sizes
+
+        units = shard_unit_sizes(spec, par.shard_units, data_spec)
+        options = dataclasses.replace(options, shard_units=units)
     return Predictable(spec, recompute, plan, cfg.data.batch_size, options, data_spec)
 
 

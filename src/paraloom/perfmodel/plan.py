@@ -162,6 +162,9 @@ class Options:
     shard_optimizer: bool = _COMM.shard_optimizer
     shard_prefetch: int = _PARALLEL.shard_prefetch  # fully sharded: units gathered ahead
     reshard_after_forward: bool = _PARALLEL.reshard_after_forward  # full/hybrid: gathered again for backward
+    # fully sharded: each unit's parameters, the root's leftovers last, as `parallel.shard_units` cuts the
+    # model (measure/profile.py shard_unit_sizes); empty: the profile's layers are the units
+    shard_units: tuple[int, ...] = ()
     straggler: float = 1.0  # one data-parallel worker's compute is this many times slower
     guard: bool = _GUARD.nan  # guard.nan: skip steps with NaN/Inf gradients (some updaters all-reduce a flag)
     layout: str = "ddp"  # a framework's memory layout (memory.layout_state): ddp (paraloom), megatron, zeroN

@@ -83,7 +83,7 @@ def stage_memory(part: ModelProfile, plan, stage: int, micro: float, opts,
         state = layout_state(part, plan, opts.layout, opts.optimizer)
     elif plan.shard in FULLY_SHARDED:
         state = sharded_state(part, plan, opts.optimizer, shard_size, prefetch=opts.shard_prefetch,
-                              reshard=opts.reshard_after_forward)
+                              reshard=opts.reshard_after_forward, units=opts.shard_units)
     return {**state, "activations": activations, "working": working}
 
 

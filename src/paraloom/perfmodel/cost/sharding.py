@@ -51,13 +51,30 @@ def shard_group(plan, devices_per_node: int) -> int:
     return min(plan.dp, plan.shard_group or max(1, devices_per_node // plan.tp))
 
 
+def largest_unit(part: ModelProfile, units: tuple[int, ...] = ()) -> float:
+    """The parameters of the largest unit: of `units` (each unit's, the root's last, as
+    `Options.shard_units` gives them) where given, else the profile's largest layer."""
+    return float(max(units) if units else max(layer.param_count for layer in part.layers))
+
+
+def unit_count(part: ModelProfile, units: tuple[int, ...] = ()) -> float:
+    """How many units `part` is gathered and reduced in, its root one of them: of `units` (the whole
+    model's, its root last), `part`'s share of the others plus its own root (a pipeline stage is
+    sharded with a root of its own); else its layers, the two ends (the embedding and the head) one
+    root."""
+    if not units:
+        return max(1, len(part.layers) - 1)
+    return 1.0 + (len(units) - 1) * min(1.0, part.n_params / max(sum(units), 1))
+
+
 def sharded_state(part: ModelProfile, plan, optimizer: str, group: int, *, prefetch: int = PREFETCH,
-                  reshard: bool = True) -> dict[str, float]:
+                  reshard: bool = True, units: tuple[int, ...] = ()) -> dict[str, float]:
     """Bytes of training state one rank holds at its peak (forward's or backward's), by kind
-    (memory.stage_memory's kinds); `reshard`: `parallel.reshard_after_forward`."""
+    (memory.stage_memory's kinds); `reshard`: `parallel.reshard_after_forward`; `units`: as
+    `largest_unit` takes them."""
     params = part.n_params / plan.tp  # a tp rank's slices (replicated parameters counted as split)
     compute = part.dtype_bytes  # units gather in the run's precision; shards stay fp32
-    unit = max(layer.param_count for layer in part.layers) / plan.tp
+    unit = largest_unit(part, units) / plan.tp
     shards = params * 4.0 / group
     optimizer_bytes = params * 4.0 * OPTIMIZER_STATES[optimizer] / group
     # every unit stays gathered from forward to backward (a pipeline stage's: all step)
@@ -87,7 +104,8 @@ HOST_RATE = "shard_host.s_per_byte"  # a Hardware constant: the host's seconds p
 
 def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_link, group: int,
                  microbatches: int, *, reshard: bool = True, host_rate: float = 0.0,
-                 gloo: bool = False, arrival: Callable[[float], float] | None = None) -> tuple[float, float]:
+                 gloo: bool = False, arrival: Callable[[float], float] | None = None,
+                 units: tuple[int, ...] = ()) -> tuple[float, float]:
     """(exposed seconds, seconds on the links) of one step's gathers and reductions: `fwd` and `bwd`
     the step's forward and backward compute, `link` the sharding group's, `inter_link` the link
     hybrid's replicas all-reduce over, `reshard`: `parallel.reshard_after_forward`. `host_rate`: the
@@ -110,14 +128,14 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
 
     `arrival(segment_s)`: what one blocking collective costs beyond its own time when the ranks compute
     `segment_s` between collectives (cost/cpu.py `arrival_seconds`, measured on the host); under gloo
-    every unit's gather, reduce-scatter and hybrid all-reduce blocks, one unit being each layer but
-    the ends (the root holds the embedding and head). Added after benchmarks/sharding.py's run 2
-    (its 21 configurations 3-40% slower than predicted, all one way) and a micro-benchmark of the
-    mechanism (benchmarks/collective_arrival.py); configurations measured after it are held out."""
+    every unit's gather, reduce-scatter and hybrid all-reduce blocks (`unit_count`). Added after
+    benchmarks/sharding.py's run 2 (its 21 configurations 3-40% slower than predicted, all one way)
+    and a micro-benchmark of the mechanism (benchmarks/collective_arrival.py); configurations
+    measured after it are held out. `units`: as `largest_unit` takes them."""
     if group == 1 and plan.dp == 1 and not host_rate:
         return 0.0, 0.0
     params, compute = part.n_params / plan.tp, part.dtype_bytes  # a tp rank's slices
-    unit = max(layer.param_count for layer in part.layers) / max(part.n_params, 1)
+    unit = min(1.0, largest_unit(part, units) / max(part.n_params, 1))
     gather = allgather_time(params * compute, group, link) if group > 1 else 0.0
     reduction = allreduce_time if gloo else reduce_scatter_time  # gloo's: an all-reduce, a slice kept
     reduce = reduction(params * 4.0, group, link) if group > 1 else 0.0
@@ -136,7 +154,6 @@ def sharded_sync(part: ModelProfile, plan, fwd: float, bwd: float, link, inter_l
     handled = params * compute * gathers * (1 + regather) + params * 4.0 * reductions
     exposed += handled * host_rate
     if gloo and arrival is not None and group > 1:
-        units = max(1, len(part.layers) - 1)
-        blocking = units * (gathers * (1 + regather) + reductions * (1 + (replicas > 1)))
+        blocking = unit_count(part, units) * (gathers * (1 + regather) + reductions * (1 + (replicas > 1)))
         exposed += blocking * arrival((fwd + bwd) / blocking)
     return exposed, forward_comm + backward_comm

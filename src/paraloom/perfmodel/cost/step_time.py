@@ -172,7 +172,8 @@ def estimate(profile: ModelProfile, hw: Hardware, plan: Plan, global_batch: int,
                                             shards, m, reshard=opts.reshard_after_forward,
                                             host_rate=hw.constants.get(HOST_RATE, 0.0) * slow,
                                             gloo="host_cores" in hw.constants,
-                                            arrival=lambda s: arrival_seconds(hw, plan.devices, s))
+                                            arrival=lambda s: arrival_seconds(hw, plan.devices, s),
+                                            units=opts.shard_units)
     else:
         dp_exposed, dp_total = _dp_sync(profile, hw, plan, opts, (start, stop), fwd, bwd, m, grad_bytes)
     codec = codec_time(hw, plan.compressor, grad_bytes) * slow if plan.dp > 1 else 0.0

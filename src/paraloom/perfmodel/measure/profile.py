@@ -234,4 +234,23 @@ def profile_model(spec: str, *, dtype: str = "fp32", recompute: str = "none",
     return replace(base, recompute=recompute)
 
 
-__all__ = ["DTYPES", "profile_model"]
+@functools.lru_cache(maxsize=16)
+def shard_unit_sizes(spec: str, units: str = "auto", data: str | None = None) -> tuple[int, ...]:
+    """Parameters of each unit `parallel.shard_units=units` shards the model `spec` names in, as
+    `fully_shard` holds them (a unit inside another takes its own parameters from the outer one's),
+    in module order, the root's leftovers last: built on the meta device, so any size is cheap."""
+    from paraloom.data_parallel.fully_sharded import find_units
+
+    model, _ = build_from_spec(spec.strip(), "meta", data.strip() if data else None)
+    found = find_units(model, units)
+    claimed: set[int] = set()
+    sizes = []
+    for _, module in reversed(found):  # inner units come after their outer ones in module order
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        sizes.append(sum(p.numel() for p in own))
+    root = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
+    return (*reversed(sizes), root)
+
+
+__all__ = ["DTYPES", "profile_model", "shard_unit_sizes"]
