@@ -250,14 +250,17 @@ def test_lamb_trust_ratios_are_of_whole_tensors_when_a_rank_holds_a_piece(name, 
         assert_close(saved[key], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def test_lars_trust_ratios_are_of_whole_tensors_on_fully_sharded_row_blocks(tmp_path):
+@pytest.mark.parametrize("name", ["dp2_full", "dp2_tp2_full"])
+def test_lars_trust_ratios_are_of_whole_tensors_on_fully_sharded_row_blocks(name, tmp_path):
     """LARS (momentum 0.9, the config's) on the shards of a fully sharded run: each tensor's ratio is of
-    the whole tensor, its row blocks' squared norms summed over the sharding group (optim/trust.py).
-    eta 1 (not LARS's 1e-3) so that the ratios move the weights by a percent a step: a ratio of a
-    shard's own norms would then show (checked: with the shards' sums kept local, this test fails)."""
+    the whole tensor, its row blocks' squared norms summed over the sharding group, and for a tp slice
+    then over the tp group (optim/trust.py). eta 1 (not LARS's 1e-3) so that the ratios move the weights
+    by a percent a step: a ratio of a shard's own norms would then show (checked: with the shards' sums
+    kept local, or a tp slice's not summed over the tp group, this test fails)."""
     losses, _, params = reference("lars", options={"eta": 1.0})
-    world, overrides = STRATEGIES["dp2_full"]
-    run_workers(_train, world, [*overrides, "optim.name=lars", "optim.options.eta=1.0"], tmp_path, None,
+    world, overrides = STRATEGIES[name]
+    plan = TP_PLAN if "parallel.tp=2" in overrides else None
+    run_workers(_train, world, [*overrides, "optim.name=lars", "optim.options.eta=1.0"], tmp_path, plan,
                 timeout=120)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert_close([row["loss"] for row in logged], losses, **TOL)

@@ -8,7 +8,8 @@ optimizer which whole tensor each element belongs to and over which process grou
 pieces live: squared norms are summed per segment with `index_add_`, all-reduced (SUM) over the
 group, and each element takes its segment's ratio. A DTensor parameter (fully sharded data
 parallelism) is one segment whose other pieces live on its mesh's sharding group: its local shard's
-sums are all-reduced there, and its ratio is a replicated DTensor.
+sums are all-reduced there, and its ratio is a replicated DTensor; a DTensor sharding a tensor-parallel
+slice (`set_segments(p, group=tp_group)`) sums over its sharding group, then over the slice's group.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Segments(NamedTuple):
     ids: torch.Tensor | None  # (numel,) long: element i belongs to whole tensor ids[i]; None: one segment
     count: int  # number of segments
     group: dist.ProcessGroup | None  # where the rest of each segment lives; None: nowhere (local sums)
+    also: dist.ProcessGroup | None = None  # summed over after `group`: a fully sharded tp slice's tp group
 
 
 class TrustRatioOptimizer(torch.optim.Optimizer):
@@ -113,33 +115,37 @@ class TrustRatioOptimizer(torch.optim.Optimizer):
 
     def _segment_norms(self, params, xs, ys, x_norms: list, y_norms: list) -> None:
         """Fill in the norms of segmented parameters: one all-reduce per (group, device)."""
-        batches: dict[tuple[int, torch.device], tuple[dist.ProcessGroup | None, list]] = {}
+        batches: dict[tuple[int, int, torch.device], tuple[Segments, list]] = {}
         for i, p in enumerate(params):
             seg = self._segment_of(p)
             if seg is not None:
                 sums = _square_sums(_local(xs[i]), _local(ys[i]), seg)
-                batches.setdefault((id(seg.group), p.device), (seg.group, []))[1].append((i, sums))
-        for group, items in batches.values():  # insertion order: the same on every rank
+                batches.setdefault((id(seg.group), id(seg.also), p.device), (seg, []))[1].append((i, sums))
+        for seg, items in batches.values():  # insertion order: the same on every rank
             flat = torch.cat([s.reshape(-1) for _, s in items])
-            if group is not None:
-                dist.all_reduce(flat, group=group)
+            for group in (seg.group, seg.also):
+                if group is not None:
+                    dist.all_reduce(flat, group=group)
             parts = flat.sqrt_().split([s.numel() for _, s in items])
             for (i, _), part in zip(items, parts, strict=True):
                 x_norms[i], y_norms[i] = part.view(2, -1).unbind(0)
 
     def _segment_of(self, param: torch.Tensor) -> Segments | None:
-        """`param`'s segments: as `set_segments` set them, a DTensor's sharding group, else None."""
+        """`param`'s segments: as `set_segments` set them, a DTensor's sharding group (then the group
+        `set_segments` named, where it named one), else None."""
         seg = self._segments.get(param)
-        if seg is None and isinstance(param, DTensor):
+        if isinstance(param, DTensor) and (seg is None or seg.ids is None):
             dims = [d for d, placement in enumerate(param.placements) if placement.is_shard()]
             if len(dims) > 1:
                 raise ValueError(f"a trust ratio over a DTensor sharded on {len(dims)} mesh dimensions")
-            seg = Segments(None, 1, param.device_mesh.get_group(dims[0])) if dims else None
+            also = seg.group if seg is not None else None
+            if dims:
+                seg = Segments(None, 1, param.device_mesh.get_group(dims[0]), also)
         return seg
 
     def _spread(self, param: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
         seg = self._segments.get(param)
-        if isinstance(param, DTensor) and seg is None:  # one ratio for the whole tensor, on every rank
+        if isinstance(param, DTensor) and (seg is None or seg.ids is None):  # one ratio, on every rank
             return DTensor.from_local(ratio.reshape(()), param.device_mesh,
                                       [Replicate()] * param.device_mesh.ndim, run_check=False)
         if seg is None or seg.ids is None:

@@ -53,8 +53,13 @@ def shard_group(plan, devices_per_node: int) -> int:
 
 def largest_unit(part: ModelProfile, units: tuple[int, ...] = ()) -> float:
     """The parameters of the largest unit: of `units` (each unit's, the root's last, as
-    `Options.shard_units` gives them) where given, else the profile's largest layer."""
-    return float(max(units) if units else max(layer.param_count for layer in part.layers))
+    `Options.shard_units` gives them) where given, else the profile's largest layer. A pipeline
+    stage (`part` a slice of the model `units` cut) holds no unit larger than its largest layer: its
+    root has only the stage's ends."""
+    layer = max(layer.param_count for layer in part.layers)
+    if not units:
+        return float(layer)
+    return float(max(units) if part.n_params >= sum(units) else min(max(units), layer))
 
 
 def unit_count(part: ModelProfile, units: tuple[int, ...] = ()) -> float:

@@ -63,6 +63,7 @@ from paraloom.models.make import make_model
 from paraloom.optim.finite import all_finite
 from paraloom.optim.groups import mark_no_decay
 from paraloom.optim.recipe import Recipe
+from paraloom.optim.trust import TrustRatioOptimizer
 from paraloom.pipeline_parallel import PipelineStage, split_microbatches
 from paraloom.pipeline_parallel.stages import gather_stages
 from paraloom.tensor_parallel import (
@@ -144,6 +145,9 @@ class FullyShardedStrategy(Strategy):
                              device=device, clip_group=shard_group(self.mesh),
                              counted=(lambda p: id(p) in split) if self.tp_rank else None)
         self.optimizer = self.recipe.optimizer
+        if isinstance(self.optimizer, TrustRatioOptimizer) and self.tp > 1:  # LARS / LAMB: a tp slice's
+            for p in sharded_parameters(self.model):  # ratio sums its shards, then the tp group's slices
+                self.optimizer.set_segments(p, None, 1, self.tp_group)
         self.comm_bytes = 0
         self.held: dict[str, int] = {}  # the most bytes this rank held, by kind (held_bytes)
         if self.pp > 1:
@@ -151,15 +155,10 @@ class FullyShardedStrategy(Strategy):
 
     def _refuse_sliced(self) -> None:
         """What does not run yet where a rank holds a slice of the model (tp) or a stage of it (pp)."""
-        cfg = self.cfg
         if self.data.loss == "model":
             raise UserError("tensor and pipeline parallelism compute the loss from the model's logits; a "
                             "data set whose model returns its own loss (loss='model') trains sharded with "
                             "parallel.tp=1 and parallel.pp=1")
-        if cfg.optim.name.lower() in ("lars", "lamb") and self.tp > 1:  # (a stage's tensors are whole)
-            raise UserError(f"optim.name={cfg.optim.name} with parallel.shard={cfg.parallel.shard} and "
-                            f"parallel.tp={self.tp}: its per-tensor trust ratio is not summed over tp slices "
-                            "and shards together yet; use tp=1, or parallel.shard=optimizer")
 
     def _split(self, model: torch.nn.Module) -> None:
         """Cut every layer its tensor-parallel plan names into this rank's slice (the config's
