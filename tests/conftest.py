@@ -63,6 +63,30 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+def _ours(namespace: str) -> bool:
+    """Whether this session may take `namespace` down: its cluster's owner is gone or is this
+    process's descendant; a cluster another live command (another checkout's tests) brought up is
+    not ours, and one without an owner (`paraloom cluster up`) is taken as ours."""
+    import re
+
+    from paraloom.cluster.emulated import live_owner
+
+    match = re.fullmatch(r"plm-([a-z0-9]+)-(?:n\d+|br)", namespace)
+    owner = live_owner(match.group(1)) if match else None
+    return owner is None or _descends_from(owner, os.getpid())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_namespace_survives():
     """Fail the run, after removing them, if tests left emulated-cluster namespaces behind."""
@@ -70,7 +94,7 @@ def no_namespace_survives():
     yield
     if NETNS_UNUSABLE:
         return
-    left = sorted(ns for ns in _namespaces() - before if ns.startswith("plm-"))
+    left = sorted(ns for ns in _namespaces() - before if ns.startswith("plm-") and _ours(ns))
     for ns in left:  # stop what still runs there (it would slow every later test), then remove
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
         subprocess.run(["kill", "-9", *pids], capture_output=True)

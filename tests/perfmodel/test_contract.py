@@ -14,9 +14,11 @@ from test_step_time import hardware, model
 
 from paraloom.cli.options import link_timers
 from paraloom.config import load_config
+from paraloom.perfmodel.cost.mfu import model_flops_per_sample
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Link, load_hardware
 from paraloom.perfmodel.measure import calibrate, machine_profile
+from paraloom.perfmodel.measure.profile import profile_model
 from paraloom.perfmodel.plan import Options, Plan
 from paraloom.perfmodel.runs import history
 from paraloom.perfmodel.runs.contract import (
@@ -464,6 +466,14 @@ def test_a_run_measures_its_terms_beside_the_prediction_it_wrote_first(tmp_path)
         assert sum(row[t] for t in TERMS) == pytest.approx(row["step"], rel=0.5)  # medians of each
     # an A100 runs this MLP hundreds of times faster than one CPU thread: compute is named
     assert "compute" in contract["off"] and contract["step_error"] > 1
+    # model FLOPs utilisation: the profile's FLOPs a step over both ranks' A100 peak, predicted and measured
+    batch = load_config(None, SMALL).data.batch_size
+    flops = model_flops_per_sample(profile_model(predicted["model"])) * batch
+    assert predicted["model_flops_per_step"] == pytest.approx(flops)
+    assert predicted["peak_flops"] == 2 * hw.device.peak("fp32")
+    assert summary["mfu_predicted"] == predicted["mfu"] == pytest.approx(
+        flops / (predicted["step_seconds"] * predicted["peak_flops"]))
+    assert summary["mfu"] == pytest.approx(predicted["mfu"] / (1 + contract["step_error"]))
     # and the run joined the history `paraloom history` and `calibrate --from history` read
     mine = [r for r in history.read() if r["run_dir"] == str(tmp_path.resolve())]
     assert len(mine) == 1 and mine[0]["predicted"] == predicted

@@ -15,6 +15,7 @@ import pytest
 import torch
 from scripts import tagged_processes
 
+from paraloom.cluster.emulated import live_owner
 from paraloom.train import stopping
 from paraloom.train.checkpoint.records import read_progress
 
@@ -208,11 +209,14 @@ def test_ctrl_c_brings_an_emulated_cluster_down_and_a_killed_launchers_cluster_g
 
     proc = start(emulate, tmp_path, "emu-killed")
     wait_for_step(proc, tmp_path / "emu-killed", 3)
+    clusters = {ns.split("-")[1] for ns in set(_namespaces("plm-")) - before}
+    assert clusters and all(live_owner(name) == proc.pid for name in clusters)  # the launcher's
     proc.kill()  # the launcher alone: its torchrun agents and their workers go with it...
     proc.communicate()
     assert not gone_within(5)
     orphaned = sorted(set(_namespaces("plm-")) - before)
     assert orphaned  # ...its cluster's namespaces stay, until the next command that finds them
+    assert not any(live_owner(name) for name in clusters)  # whose owner is gone: orphans
     assert main(["cluster", "down", "--stale"]) == 0
     assert set(_namespaces("plm-")) == before
 

@@ -17,6 +17,7 @@ from paraloom.config.errors import UserError
 from paraloom.config.rules import strategy_for
 from paraloom.config.yaml_io import merge
 from paraloom.models import MODELS
+from paraloom.perfmodel.cost.mfu import model_flops_per_sample, peak_flops
 from paraloom.perfmodel.cost.step_time import estimate
 from paraloom.perfmodel.hardware import Hardware, load_hardware, parse_bytes
 from paraloom.perfmodel.measure.profile import profile_model
@@ -27,20 +28,36 @@ from paraloom.perfmodel.planner import Ranked, is_exact, parse_nodes, parse_plan
 GPT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads"}
 
 
-def _row(table: Table, e: Estimate, nodes: int, eff: float | None) -> None:
+class _Utilisation:
+    """A plan's model FLOPs utilisation (perfmodel/cost/mfu.py): the model's FLOPs a sample times the
+    plan's samples/s, over its devices' peak in the run's precision."""
+
+    def __init__(self, profile, hw: Hardware, dtype: str) -> None:
+        self.per_sample, self.hw, self.dtype = model_flops_per_sample(profile), hw, dtype
+
+    def __call__(self, e: Estimate) -> float:
+        return self.per_sample * e.samples_per_s / peak_flops(self.hw, self.dtype, e.plan.devices)
+
+    def plan_dict(self, e: Estimate) -> dict[str, Any]:
+        return {**e.to_dict(), "mfu": self(e)}
+
+
+def _row(table: Table, e: Estimate, nodes: int, eff: float | None, mfu: _Utilisation) -> None:
     table.add_row(e.plan.label(), f"{e.step_s * 1e3:,.1f}", f"{e.samples_per_s:,.1f}",
-                  "-" if eff is None else f"{eff:.2f}", f"{e.memory_bytes / 2**30:,.2f}", e.bottleneck,
-                  "" if is_exact(e.plan) else "no", str(nodes))
+                  "-" if eff is None else f"{eff:.2f}", f"{mfu(e):.1%}", f"{e.memory_bytes / 2**30:,.2f}",
+                  e.bottleneck, "" if is_exact(e.plan) else "no", str(nodes))
 
 
 def _table(title: str) -> Table:
     table = Table(title=title)
-    for name in ("plan", "step ms", "samples/s", "efficiency", "GiB/device", "bottleneck", "exact", "nodes"):
+    for name in ("plan", "step ms", "samples/s", "efficiency", "MFU", "GiB/device", "bottleneck", "exact",
+                 "nodes"):
         table.add_column(name, justify="left" if name in ("plan", "bottleneck") else "right")
     return table
 
 
-def _scaling_table(results: list[Ranked], eff: list[float], model: str, hardware: str, batch: int) -> Table:
+def _scaling_table(results: list[Ranked], eff: list[float], model: str, hardware: str, batch: int,
+                   mfu: _Utilisation) -> Table:
     """One row a node count: its best plan, the efficiency `recommend` gave it (against the smallest
     count's throughput per node), or that no plan fits there."""
     base = next(r.nodes for r in results if r.estimates)
@@ -48,9 +65,9 @@ def _scaling_table(results: list[Ranked], eff: list[float], model: str, hardware
                    f"(efficiency: samples/s per node, against the same at {base} node(s))")
     for r, e in zip(results, eff, strict=True):
         if r.estimates:
-            _row(table, r.best, r.nodes, e)
+            _row(table, r.best, r.nodes, e, mfu)
         else:
-            table.add_row(f"none of {r.dropped} fits", "-", "-", "-", "-", "memory", "", str(r.nodes))
+            table.add_row(f"none of {r.dropped} fits", "-", "-", "-", "-", "-", "memory", "", str(r.nodes))
     return table
 
 
@@ -68,6 +85,7 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
     hw = load_hardware(cluster)
     profile = profile_model(model, dtype=dtype, recompute=recompute, data=data, half_model=layout != "ddp")
     counts = parse_nodes(nodes)
+    mfu = _Utilisation(profile, hw, dtype)
     console = Console(width=max(Console().width, 130))
     if plan is not None:
         given = parse_plan(plan)
@@ -80,11 +98,11 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
         efficiency = e.samples_per_s / (given.devices * one.samples_per_s)
         table = _table(f"{model} on {n} x {hw.name}, global batch {global_batch}: predicted "
                        f"(efficiency against one device)")
-        _row(table, e, n, efficiency)
+        _row(table, e, n, efficiency, mfu)
         console.print(table)
         console.print({k: f"{v * 1e3:.2f} ms" for k, v in e.breakdown.items()})
         report = {"model": model, "hardware": hw.to_dict(), "global_batch": global_batch,
-                  "nodes": n, "estimate": e.to_dict(), "efficiency_vs_one_device": efficiency,
+                  "nodes": n, "estimate": mfu.plan_dict(e), "efficiency_vs_one_device": efficiency,
                   "one_device": one.to_dict()}
     else:
         results: list[Ranked] = []
@@ -95,12 +113,12 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
                 progress.advance(task)
         best, eff = recommend(results, floor)
         if len(counts) > 1:  # the curve first: each node count's best plan
-            console.print(_scaling_table(results, eff, model, hw.name, global_batch))
+            console.print(_scaling_table(results, eff, model, hw.name, global_batch, mfu))
         for r, e in zip(results, eff, strict=True):
             table = _table(f"{model} on {r.nodes} x {hw.name} ({r.nodes * hw.devices_per_node} devices), "
                            f"global batch {global_batch}: {len(r.estimates)} plans fit, {r.dropped} do not")
             for est in r.estimates[:top]:
-                _row(table, est, r.nodes, e if est is r.best else None)
+                _row(table, est, r.nodes, e if est is r.best else None, mfu)
             if len(counts) == 1 or r is best:
                 console.print(table)
         top_plan = best.best
@@ -113,9 +131,9 @@ def run_plan(*, model: str, cluster: str, nodes: str, global_batch: int, dtype: 
                           f"({fast.samples_per_s / top_plan.samples_per_s:.2f}x)")
         report = {"model": model, "hardware": hw.to_dict(), "global_batch": global_batch,
                   "efficiency_floor": floor,
-                  "recommended": {"nodes": best.nodes, "plan": top_plan.to_dict()},
+                  "recommended": {"nodes": best.nodes, "plan": mfu.plan_dict(top_plan)},
                   "by_nodes": [{"nodes": r.nodes, "efficiency": e, "dropped": r.dropped,
-                                "plans": [x.to_dict() for x in r.estimates]}
+                                "plans": [mfu.plan_dict(x) for x in r.estimates]}
                                for r, e in zip(results, eff, strict=True)]}
         if plot is not None:
             from paraloom.cli.plan_plots import plot_scaling

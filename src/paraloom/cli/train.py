@@ -303,7 +303,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
                       + f"validation loss {summary['ema_val_loss']:.3f}")
     table.add_row("wall time", f"{summary['wall_seconds']:.1f} s "
                                f"(training {summary['train_seconds']:.1f} s)")
-    table.add_row("throughput", f"{summary['samples_per_second']:,.0f} samples/s")
+    table.add_row("throughput", f"{summary['samples_per_second']:,.0f} samples/s" + (
+        f", MFU {summary['mfu']:.1%} (predicted {summary['mfu_predicted']:.1%})" if "mfu" in summary else ""))
     if "val_loss" in summary:
         bar = f" (unigram baseline {summary['unigram_loss']:.3f})" if "unigram_loss" in summary else ""
         table.add_row("validation loss", f"{summary['val_loss']:.3f}{bar}")
@@ -343,6 +344,8 @@ def print_contract(contract: dict | None) -> None:
         table.add_row(term, f"{p:.2f}", f"{m:.2f}", "off" if term in off else "")
     table.add_row("step", f"{predicted['step_seconds'] * 1e3:.2f}", f"{measured['step'] * 1e3:.2f}",
                   f"{contract['step_error']:+.0%}")
+    if "mfu" in contract:  # the model's FLOPs a step over the devices' peak (perfmodel/cost/mfu.py)
+        table.add_row("MFU", f"{predicted['mfu']:.1%}", f"{contract['mfu']:.1%}", "")
     Console().print(table)
     err = Console(stderr=True)
 

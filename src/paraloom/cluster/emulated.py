@@ -76,6 +76,16 @@ def _started(pid: int) -> str | None:
         return None
 
 
+def live_owner(name: str) -> int | None:
+    """The PID of the command that brought cluster `name` up and still runs; None where that command
+    is gone or the cluster has no owner (`paraloom cluster up`)."""
+    try:
+        pid, started = _owner_file(name).read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(pid) if _started(int(pid)) == started else None
+
+
 def orphaned_clusters() -> list[EmulatedCluster]:
     """Clusters whose owning command is gone (killed outright: it never took them down). Clusters
     of `paraloom cluster up` have no owner and are never orphaned."""

@@ -127,7 +127,8 @@ class Ranked:
 def rank(profile: ModelProfile, hw: Hardware, nodes: int, global_batch: int, *,
          options: Options | None = None, exact_only: bool = False, keep: int = 8) -> Ranked:
     """Predict every plan on `nodes` nodes: grids first, then the data-parallel variants of the `keep`
-    best grids. Ties (to 4 significant digits) go to plans that keep the math, then to fewer devices."""
+    best grids. Ties (to 4 significant digits) go to plans that keep the math, then to fewer devices,
+    then to fewer moving parts (`_moving_parts`)."""
     world = nodes * hw.devices_per_node
     bases = [estimate(profile, hw, plan, global_batch, options)
              for plan in grids(world, profile, hw, global_batch)]
@@ -149,8 +150,17 @@ def rank(profile: ModelProfile, hw: Hardware, nodes: int, global_batch: int, *,
             else:
                 dropped += 1
     out.sort(key=lambda e: (-float(f"{e.samples_per_s:.4g}"), not is_exact(e.plan), e.plan.devices,
-                            e.plan.label()))
+                            _moving_parts(e.plan), e.plan.label()))
     return Ranked(nodes=nodes, estimates=out, dropped=dropped)
+
+
+SHARD_ORDER = ("none", "optimizer", "gradients", "hybrid", "full")  # the least sharded first
+
+
+def _moving_parts(plan: Plan) -> tuple[int, int, int]:
+    """Between plans equally fast, the one with fewer moving parts first: less sharding (a sharded
+    plan that buys nothing is only more collectives), fewer micro-batches, no compression."""
+    return SHARD_ORDER.index(plan.shard), plan.microbatches, int(plan.compressor != "none")
 
 
 def parse_nodes(text: str) -> list[int]:

@@ -364,7 +364,9 @@ class Loop:
         }
         if self.ema is not None:
             summary["ema_epoch_accuracy"] = self.ema_epoch_accuracy
-        summary["contract"] = self.contract_report()
+        summary["contract"] = contract = self.contract_report()
+        if "mfu" in contract:  # model FLOPs utilisation, measured and as predicted (perfmodel/cost/mfu.py)
+            summary.update(mfu=contract["mfu"], mfu_predicted=contract["predicted"]["mfu"])
         self.health.settle(wait=True)
         # the checks' own cost: the rank that reached them last waited for no one there
         summary.update(stragglers=self.health.named, health_checks=self.health.checks,

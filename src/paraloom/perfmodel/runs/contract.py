@@ -70,6 +70,7 @@ def predicted_terms(estimate) -> dict[str, float]:
 def predict(cfg, workers: int, hardware) -> dict[str, Any]:
     """The run's predicted step, by term, and peak memory per rank, from `hardware` alone."""
     from paraloom.config.choices import SCHEDULERS
+    from paraloom.perfmodel.cost.mfu import mfu, model_flops_per_sample, peak_flops
     from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.measure.profile import profile_model
@@ -84,9 +85,12 @@ def predict(cfg, workers: int, hardware) -> dict[str, Any]:
               key=lambda e: e.step_s)
     plan = est.plan
     per_rank = [est.memory_per_stage[_stage_of(rank, plan)] for rank in range(plan.dp * plan.tp * plan.pp)]
+    flops = model_flops_per_sample(profile) * what.global_batch
+    peak = peak_flops(hardware, dtype, plan.devices)
     return {"hardware": hardware.name, "plan": plan.label(), "model": what.spec,
             "step_seconds": est.step_s, "terms": predicted_terms(est),
-            "peak_memory_bytes_per_rank": per_rank}
+            "peak_memory_bytes_per_rank": per_rank,
+            "model_flops_per_step": flops, "peak_flops": peak, "mfu": mfu(flops, est.step_s, peak)}
 
 
 def _stage_of(rank: int, plan) -> int:
@@ -231,6 +235,10 @@ def report(predicted: dict[str, Any] | None, per_rank: list[dict[str, float] | N
     if predicted is not None and "terms" in predicted:
         out["step_error"] = pace["step"] / predicted["step_seconds"] - 1.0
         out["off"] = off_terms(predicted, pace, tolerance)
+        if "model_flops_per_step" in predicted:  # model FLOPs utilisation (cost/mfu.py), measured
+            from paraloom.perfmodel.cost.mfu import mfu
+
+            out["mfu"] = mfu(predicted["model_flops_per_step"], pace["step"], predicted["peak_flops"])
     return out
 
 
