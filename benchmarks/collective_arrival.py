@@ -1,6 +1,7 @@
 """What a blocking collective costs between compute segments on this host, beyond its own time.
 
     python benchmarks/collective_arrival.py [--quick] [--ranks 2 4] [--segments-ms 1 4 16] [--rounds 5]
+                                            [--kinds all_reduce all_gather reduce_scatter] [--kb 0.004 800]
                                             --json OUT
 
 n gloo ranks (one thread each, loopback) run `iterations` rounds of a compute segment (single-thread
@@ -12,6 +13,9 @@ Per round, alone and with alternate; the penalty per collective is the median ov
 (`isolated`). What is left is the ranks arriving apart: a rank whose segment ran longer (a core
 shared with another rank or a thread) holds the others at the collective. Summary: per n and
 segment, `penalty_ms`, `isolated_ms` and `alone_ms` (a segment as the n ranks run it together).
+`--kinds` and `--kb` measure the same for all-gathers and reduce-scatters of real payloads (`by_kind`, by
+kind, bytes a rank and n): with - alone is then what such a collective costs a step between segments,
+its own time included.
 """
 
 from __future__ import annotations
@@ -44,10 +48,28 @@ def _matmuls_for(segment_ms: float) -> int:
     return max(1, round(segment_ms / 1e3 / ((time.perf_counter() - began) / 100)))
 
 
-def _rank(rank: int, n: int, store_path: str, plans: list[tuple[float, int]], rounds: int, queue) -> None:
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+# torch 2.13 renamed the flat collectives (the old names warn); releases before have only the old ones
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective(kind: str, numel: int, n: int):
+    """One blocking collective of `kind` on `numel` fp32 elements a rank (the shard's, for a gather
+    or a reduce-scatter: the whole is n of them)."""
+    shard, whole = torch.zeros(numel), torch.zeros(numel * n)
+    if kind == "all_gather":
+        return lambda: _all_gather_flat(whole, shard)
+    if kind == "reduce_scatter":
+        return lambda: _reduce_scatter_flat(shard, whole)
+    return lambda: dist.all_reduce(shard)
+
+
+def _rank(rank: int, n: int, store_path: str, plans: list[tuple[float, int]], rounds: int, queue,
+          kind: str = "all_reduce", numel: int = 1) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, n), rank=rank, world_size=n)
-    a, x = torch.randn(256, 256), torch.zeros(1)
+    a, collective = torch.randn(256, 256), _collective(kind, numel, n)
     out = []
     for segment_ms, count in plans:
         seconds: dict[str, list[float]] = {"alone": [], "with": [], "isolated": []}
@@ -60,7 +82,7 @@ def _rank(rank: int, n: int, store_path: str, plans: list[tuple[float, int]], ro
                         for _ in range(count):
                             a @ a
                     if mode != "alone":
-                        dist.all_reduce(x)
+                        collective()
                 seconds[mode].append((time.perf_counter() - began) / ITERATIONS)
         dist.barrier()
         alone, both, isolated = (statistics.median(seconds[m]) for m in ("alone", "with", "isolated"))
@@ -72,11 +94,13 @@ def _rank(rank: int, n: int, store_path: str, plans: list[tuple[float, int]], ro
     dist.destroy_process_group()
 
 
-def measure(n: int, plans: list[tuple[float, int]], rounds: int) -> list[dict]:
+def measure(n: int, plans: list[tuple[float, int]], rounds: int, kind: str = "all_reduce",
+            numel: int = 1) -> list[dict]:
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="paraloom-arrival-") as tmp:
-        ranks = [ctx.Process(target=_rank, args=(r, n, str(Path(tmp) / "store"), plans, rounds, queue))
+        ranks = [ctx.Process(target=_rank, args=(r, n, str(Path(tmp) / "store"), plans, rounds, queue, kind,
+                                                 numel))
                  for r in range(n)]
         for p in ranks:
             p.start()
@@ -94,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--segments-ms", type=float, nargs="+", default=[1.0, 4.0, 16.0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["all_reduce"],
+                        help="the collectives measured (default all_reduce; gathers and reduce-scatters as a "
+                             "fully sharded step runs them)")
+    parser.add_argument("--kb", type=float, nargs="+", default=[0.004],
+                        help="payloads, kB of fp32 a rank holds (a shard, for a gather or a reduce-scatter; "
+                             "default 0.004: one float)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 ms segments, 1 round: a smoke run")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
@@ -102,12 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     plans = [(ms, _matmuls_for(ms)) for ms in args.segments_ms]
     report = {"options": {"ranks": args.ranks, "segments_ms": args.segments_ms, "rounds": args.rounds,
-                          "iterations": ITERATIONS, "cores": os.cpu_count()}, "results": {}}
-    for n in args.ranks:
-        report["results"][str(n)] = rows = measure(n, plans, args.rounds)
-        for row in rows:
-            print(f"{n} ranks, {row['segment_ms']:g} ms segments (run together: {row['alone_ms']:.2f} ms): "
-                  f"penalty {row['penalty_ms']:.2f} ms a collective, isolated {row['isolated_ms']:.3f} ms")
+                          "iterations": ITERATIONS, "cores": os.cpu_count(), "kinds": args.kinds,
+                          "kb": args.kb}, "results": {}, "by_kind": {}}
+    for kind in args.kinds:
+        for kb in args.kb:
+            numel = max(1, round(kb * 1e3 / 4))
+            for n in args.ranks:
+                rows = measure(n, plans, args.rounds, kind, numel)
+                report["by_kind"].setdefault(kind, {}).setdefault(str(numel * 4), {})[str(n)] = rows
+                if kind == "all_reduce" and numel == 1:  # the table the model reads (cost/cpu.py)
+                    report["results"][str(n)] = rows
+                for row in rows:
+                    print(f"{kind} of {numel * 4} B a rank, {n} ranks, {row['segment_ms']:g} ms segments "
+                          f"(run together: {row['alone_ms']:.2f} ms): penalty {row['penalty_ms']:.2f} ms a "
+                          f"collective, isolated {row['isolated_ms']:.3f} ms")
     Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 

@@ -213,7 +213,7 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
     from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.hardware import Hardware
-    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model, with_units
     from paraloom.perfmodel.runs.contract import predicted_terms
     from paraloom.perfmodel.runs.fitted import leave_one_out
 
@@ -226,7 +226,7 @@ def predict(report: dict[str, Any]) -> dict[str, Any]:
         ps_run = config.get("parallel", {}).get("mode") == "ps"
         if ps_run and "partition_mb" not in config.get("ps", {}):  # recorded before slices: one message
             config = {**config, "ps": {**config.get("ps", {}), "partition_mb": 1e6}}
-        what = predictable(Config.from_dict(config), c["workers"])
+        what = with_units(predictable(Config.from_dict(config), c["workers"]))
         profile = profile_model(what.spec, recompute=what.recompute)
         e = estimate(profile, profiles[c["rate"]], what.plan, what.global_batch, what.options)
         c.update({"plan": what.plan.label(), "predicted_s": e.step_s,

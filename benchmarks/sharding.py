@@ -184,7 +184,7 @@ def step_model(quick: bool, console, save, rates: list[str] | None = None,
     from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
     from paraloom.perfmodel.measure.calibrate import calibrate
-    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model, with_units
     from paraloom.perfmodel.runs.finished import measured_step_seconds
     from paraloom.perfmodel.runs.refine import refine
 
@@ -221,7 +221,7 @@ def step_model(quick: bool, console, save, rates: list[str] | None = None,
             for name in names:  # predicted and written down before any of them is measured
                 workers, settings = STEP_CONFIGS[name]
                 cfg = load_config(None, [*pv.GPT, *settings])
-                what = predictable(cfg, workers)
+                what = with_units(predictable(cfg, workers))
                 e = estimate(profile_model(what.spec, recompute=what.recompute), hw, what.plan,
                              what.global_batch, what.options)
                 group = next((f"dp2 {axis} {rate}" for axis in ("tp2", "pp2") if axis in name),

@@ -62,7 +62,7 @@ def test_a_rank_holds_its_shards_and_the_units_in_flight():
 def test_the_units_a_run_cuts_its_model_in_set_what_it_holds_in_flight():
     from paraloom.perfmodel.cost.sharding import unit_count
     from paraloom.perfmodel.from_config import predictable
-    from paraloom.perfmodel.measure.profile import shard_unit_sizes
+    from paraloom.perfmodel.measure.profile import shard_unit_sizes, with_units
 
     profile = profile_model(GPT)
     blocks = shard_unit_sizes(GPT)
@@ -89,9 +89,10 @@ def test_the_units_a_run_cuts_its_model_in_set_what_it_holds_in_flight():
     base = ["model.name=gpt", "data.name=text", "data.seq_len=64", "model.d_model=256", "model.n_heads=4",
             "model.n_layers=8"]
     cfg = load_config(None, [*base, "parallel.shard=full", "parallel.shard_units=Attention,FeedForward"])
-    units = predictable(cfg, 4).options.shard_units
+    units = with_units(predictable(cfg, 4)).options.shard_units
     assert len(units) == 17 and max(units) == max(halves)
-    assert predictable(load_config(None, base), 4).options.shard_units == ()  # not sharded: not built
+    plain = predictable(load_config(None, base), 4)
+    assert with_units(plain) is plain and plain.options.shard_units == ()  # not sharded: not built
 
 
 def test_fully_sharded_steps_pay_three_model_sizes_on_the_link_and_hybrid_keeps_them_in_a_node():

@@ -111,8 +111,9 @@ def test_summary_accounting():
         summary = _summaries(name)[0]
         assert (summary["grid"]["pp"], summary["microbatches"]) == (p, m)
         assert summary["bubble_theory"] == pytest.approx((p - 1) / (m + p - 1))
-        # the bottleneck stage computes the most, so it idles the least of all stages' mean
-        assert 0 < summary["bubble_bottleneck"] <= summary["bubble"] < 1
+        # the bottleneck stage computes the most, so it idles no more than the stages' mean; two stages
+        # balanced to within timing noise may trade places by a hair (a CI run: 0.4799 against 0.4796)
+        assert 0 < summary["bubble_bottleneck"] <= summary["bubble"] + 0.005 and summary["bubble"] < 1
     assert _summaries("layers2")[0]["schedule"] == "layers"
     for name in GRIDS:  # the stages are contiguous and cover every piece once
         bounds = _summaries(name)[0]["partition"]

@@ -22,6 +22,7 @@ class Predictable:
     global_batch: int
     options: Options
     data: str | None = None  # a user's data set, `package.module:factory[:k=v]`: the profile's input
+    shard_units: str = "auto"  # parallel.shard_units: what measure/profile.py `with_units` sizes
 
 
 def spec_of(cfg: Config) -> str:
@@ -121,12 +122,7 @@ def predictable(cfg: Config, world: int) -> Predictable:
     data = cfg.data
     data_spec = factory_spec(data.name, data.options, "data.options") if is_factory(data.name) else None
     spec = spec_of(cfg)
-    if plan.shard in FULLY_SHARDED:  # the units the run cuts its model in (a meta build: cheap)
-        from paraloom.perfmodel.measure.profile import shard_unit_sizes
-
-        units = shard_unit_sizes(spec, par.shard_units, data_spec)
-        options = dataclasses.replace(options, shard_units=units)
-    return Predictable(spec, recompute, plan, cfg.data.batch_size, options, data_spec)
+    return Predictable(spec, recompute, plan, cfg.data.batch_size, options, data_spec, par.shard_units)
 
 
 def plan_inputs(cfg: Config) -> dict[str, Any]:

@@ -12,7 +12,9 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from paraloom.config.choices import FULLY_SHARDED
 from paraloom.config.errors import UserError
+from paraloom.perfmodel.from_config import Predictable
 from paraloom.perfmodel.measure.autocast import Autocast
 from paraloom.perfmodel.measure.op_counter import FusedAttention, Live, OpCounter, nbytes
 from paraloom.perfmodel.measure.specs import build_from_spec
@@ -253,4 +255,13 @@ def shard_unit_sizes(spec: str, units: str = "auto", data: str | None = None) ->
     return (*reversed(sizes), root)
 
 
-__all__ = ["DTYPES", "profile_model", "shard_unit_sizes"]
+def with_units(what: Predictable) -> Predictable:
+    """`what` (from_config.predictable) with, for a fully sharded plan, the sizes of the units its run
+    cuts the model in (`Options.shard_units`, priced by cost/sharding.py)."""
+    if what.plan.shard not in FULLY_SHARDED:
+        return what
+    units = shard_unit_sizes(what.spec, what.shard_units, what.data)
+    return replace(what, options=replace(what.options, shard_units=units))
+
+
+__all__ = ["DTYPES", "profile_model", "shard_unit_sizes", "with_units"]

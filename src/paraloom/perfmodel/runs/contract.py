@@ -73,9 +73,9 @@ def predict(cfg, workers: int, hardware) -> dict[str, Any]:
     from paraloom.perfmodel.cost.mfu import mfu, model_flops_per_sample, peak_flops
     from paraloom.perfmodel.cost.step_time import estimate
     from paraloom.perfmodel.from_config import predictable
-    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model, with_units
 
-    what = predictable(cfg, workers)
+    what = with_units(predictable(cfg, workers))
     dtype = cfg.run.precision
     profile = profile_model(what.spec, dtype=dtype, recompute=what.recompute, data=what.data)
     plans = [what.plan]

@@ -72,10 +72,10 @@ def unusable(run: Path, hw: Hardware) -> str | None:
 def measured_and_predicted(run: Path, hw: Hardware):
     """(the run's measured step seconds, the model's Estimate of its plan on `hw`)."""
     from paraloom.perfmodel.from_config import predictable
-    from paraloom.perfmodel.measure.profile import profile_model
+    from paraloom.perfmodel.measure.profile import profile_model, with_units
 
     summary, cfg = finished(run)
     world = int(summary.get("world_size") or cfg.parallel.nproc)
-    what = predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0))
+    what = with_units(predictable(cfg, world - (cfg.ps.servers if cfg.parallel.mode == "ps" else 0)))
     profile = profile_model(what.spec, recompute=what.recompute, data=what.data)
     return measured_step_seconds(run), estimate(profile, hw, what.plan, what.global_batch, what.options)
