@@ -57,15 +57,15 @@ SMALL = {"vocab": 256, "seq": 64, "layers": 4, "width": 256, "heads": 4}
 TINY = {"vocab": 256, "seq": 16, "layers": 2, "width": 32, "heads": 2}
 
 
+# the held runs' parallel.shard_units for "paraloom_full_units": each block's attention and feed-forward
+# apart, so the largest unit is 2/3 of a block (chosen after the blocks' 0.330 of DDP's peak was measured)
+FINE_UNITS = "Attention,FeedForward"
 # the held variants as the model's plans: (shard level, parallel.shard_prefetch); the bare loop gets
 # torch's implicit prefetch only, as paraloom at shard_prefetch=0
 HELD_PLANS = {"ddp": ("none", 1), "fully_shard": ("full", 0), "paraloom_gradients": ("gradients", 1),
               "paraloom_full": ("full", 1), "paraloom_full_no_prefetch": ("full", 0),
-              "paraloom_full_pp2": ("full", 1)}  # dp2 x pp2, one micro-batch: stage 0, kept gathered
-# the held runs' parallel.shard_units for "paraloom_full_units": each block's attention and feed-forward
-# apart, so the largest unit is 2/3 of a block (chosen after the blocks' 0.330 of DDP's peak was measured)
-FINE_UNITS = "Attention,FeedForward"
-HELD_PLANS["paraloom_full_units"] = ("full", 1)
+              "paraloom_full_pp2": ("full", 1),  # dp2 x pp2, one micro-batch: stage 0, kept gathered
+              "paraloom_full_units": ("full", 1)}  # at FINE_UNITS
 
 
 def memory_model(held: dict[str, Any], shape: dict[str, int], batch: int) -> dict[str, Any]:

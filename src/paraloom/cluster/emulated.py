@@ -76,28 +76,28 @@ def _started(pid: int) -> str | None:
         return None
 
 
-def live_owner(name: str) -> int | None:
-    """The PID of the command that brought cluster `name` up and still runs; None where that command
-    is gone or the cluster has no owner (`paraloom cluster up`)."""
+def _owner(name: str) -> tuple[int, bool] | None:
+    """(the PID that brought cluster `name` up, whether that command still runs); None where the
+    cluster has no owner (`paraloom cluster up`)."""
     try:
         pid, started = _owner_file(name).read_text().split()
     except (OSError, ValueError):
         return None
-    return int(pid) if _started(int(pid)) == started else None
+    return int(pid), _started(int(pid)) == started
+
+
+def live_owner(name: str) -> int | None:
+    """The PID of the command that brought cluster `name` up and still runs; None where that command
+    is gone or the cluster has no owner."""
+    owner = _owner(name)
+    return owner[0] if owner is not None and owner[1] else None
 
 
 def orphaned_clusters() -> list[EmulatedCluster]:
     """Clusters whose owning command is gone (killed outright: it never took them down). Clusters
     of `paraloom cluster up` have no owner and are never orphaned."""
-    orphans = []
-    for name, cluster in list_clusters().items():
-        try:
-            pid, started = _owner_file(name).read_text().split()
-        except (OSError, ValueError):
-            continue
-        if _started(int(pid)) != started:
-            orphans.append(cluster)
-    return orphans
+    return [cluster for name, cluster in list_clusters().items()
+            if (owner := _owner(name)) is not None and not owner[1]]
 
 
 def remove_orphans(say=None) -> list[str]:
